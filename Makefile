@@ -1,0 +1,29 @@
+# One command each (see README): `make demo`, `make test`. Both create .venv when it is missing.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PYTHON ?= python3
+# Re-install when a requirement or a package definition changes.
+STAMP  := $(VENV)/.shardcore-installed
+DEPS   := requirements.txt pyproject.toml backends/fsdp2/pyproject.toml conformance/pyproject.toml
+
+.PHONY: setup demo test conformance clean
+
+setup: $(STAMP)
+
+$(STAMP): $(DEPS)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -r requirements.txt
+	$(PY) -m pip install --no-deps -e . -e backends/fsdp2 -e conformance
+	touch $@
+
+demo: setup
+	USE_TORCH_XLA=0 $(VENV)/bin/torchrun --standalone --nproc_per_node 2 examples/demo.py
+
+test: setup
+	$(PY) -m pytest -q -rs tests
+
+conformance: setup
+	$(VENV)/bin/shardcore-conformance --backend fsdp2 --world-size 2 --report conformance-report
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,155 @@
+"""Run cases in real worker processes, with a deadline per case.
+
+One process group serves many cases (start-up dominates on small CPUs). Each rank reports which
+case it is in; if a case fails or overruns its deadline, the whole group is killed, that case is
+recorded as an error, and the remaining cases run in a fresh group. Nothing can block forever.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
+
+from .cases import Case
+
+log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, cases: list[dict], backend: str | None, out_dir: str, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    if backend is None or "xla" not in backend:
+        # Transformers imports torch_xla whenever it is installed unless told not to (its own advice
+        # for plain-PyTorch jobs); an XLA runtime in an FSDP2 or reference process is dead weight.
+        os.environ.setdefault("USE_TORCH_XLA", "0")
+    if backend is not None:
+        os.environ.update(
+            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        )
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    from .train import run_case
+
+    out = Path(out_dir)
+    for d in cases:
+        case = Case.from_dict(d)
+        (out / f"progress.{rank}").write_text(json.dumps({"case": case.name, "t": time.time()}))
+        try:
+            result = run_case(case, backend)
+        except BaseException:
+            (out / f"{case.name}.error.{rank}").write_text(traceback.format_exc())
+            raise
+        if rank == 0:
+            tmp = out / f".{case.name}.pt.tmp"
+            torch.save(result, tmp)
+            os.replace(tmp, out / f"{case.name}.pt")
+    (out / f"progress.{rank}").write_text(json.dumps({"case": None, "t": time.time()}))
+
+
+def run_cases(
+    cases: list[Case],
+    backend: str | None,
+    world_size: int,
+    case_timeout: float = 300.0,
+    env: dict[str, str] | None = None,
+    on_case_done: Callable[[Case, dict[str, Any]], None] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Run ``cases`` on ``world_size`` ranks (``backend`` None: the single-device reference, one
+    process). Returns name -> result dict, or name -> {"error": text} for a case that failed."""
+    nprocs = 1 if backend is None else world_size
+    results: dict[str, dict[str, Any]] = {}
+    pending = list(cases)
+    with tempfile.TemporaryDirectory(prefix="shardcore-conf-") as tmp:
+        while pending:
+            out = Path(tempfile.mkdtemp(dir=tmp))
+            ctx = mp.start_processes(
+                _worker,
+                args=(world_size, free_port(), [c.to_dict() for c in pending], backend, str(out), dict(env or {})),
+                nprocs=nprocs,
+                join=False,
+                start_method="spawn",
+            )
+            failure = _wait(ctx, out, nprocs, case_timeout, pending)
+            done = [c for c in pending if (out / f"{c.name}.pt").exists()]
+            for c in done:
+                results[c.name] = torch.load(out / f"{c.name}.pt", weights_only=True)
+                if on_case_done:
+                    on_case_done(c, results[c.name])
+            remaining = [c for c in pending if c.name not in results]
+            if failure is None:
+                if remaining:  # pragma: no cover - workers exit only after the last case
+                    raise RuntimeError(f"workers exited without results for {[c.name for c in remaining]}")
+                break
+            bad_name, message = failure
+            bad = next((c for c in remaining if c.name == bad_name), remaining[0] if remaining else None)
+            if bad is None:
+                break
+            results[bad.name] = {"error": message}
+            if on_case_done:
+                on_case_done(bad, results[bad.name])
+            pending = [c for c in remaining if c is not bad]
+    return results
+
+
+def _current_case(out: Path, nprocs: int) -> tuple[str | None, float]:
+    names, started = [], []
+    for r in range(nprocs):
+        p = out / f"progress.{r}"
+        if p.exists():
+            try:
+                d = json.loads(p.read_text())
+            except json.JSONDecodeError:
+                continue
+            names.append(d["case"])
+            started.append(d["t"])
+    name = next((n for n in names if n), None)
+    return name, (min(started) if started else time.time())
+
+
+def _wait(ctx, out: Path, nprocs: int, case_timeout: float, pending: list[Case]) -> tuple[str, str] | None:
+    """Join the workers; return (case, message) if the group failed or overran, None on success."""
+    launched = time.time()
+    last_case, case_start = None, launched
+    while True:
+        try:
+            if ctx.join(timeout=0.5):
+                return None
+        except ProcessException as e:
+            name, _ = _current_case(out, nprocs)
+            name = name or (pending[0].name if pending else "?")
+            errs = sorted(out.glob(f"{name}.error.*"))
+            detail = errs[0].read_text() if errs else str(e)
+            _kill(ctx)
+            return name, f"worker failed in case {name}: {detail.strip().splitlines()[-1] if detail.strip() else e}\n{detail}"
+        name, t = _current_case(out, nprocs)
+        if name != last_case:
+            last_case, case_start = name, time.time()
+        # start-up (imports, process group) counts against the first case's deadline too
+        if time.time() - case_start > case_timeout:
+            _kill(ctx)
+            name = name or (pending[0].name if pending else "?")
+            return name, f"case {name} did not finish within {case_timeout:g}s (timeout); the workers were killed"
+
+
+def _kill(ctx) -> None:
+    for p in ctx.processes:
+        if p.is_alive():
+            p.kill()
+    for p in ctx.processes:
+        p.join(5)

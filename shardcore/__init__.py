@@ -1,0 +1,51 @@
+"""shardcore: shard a PyTorch model with one call and one config, on FSDP2 or XLA FSDP.
+
+>>> model = shardcore.shard(model, {"reshard_after_forward": True})   # doctest: +SKIP
+"""
+from .api import ShardedModel, handle, shard
+from .backend import Backend, BackendInfo, World, available_backends, get_backend
+from .config import MixedPrecision, ShardConfig, parse_config
+from .errors import (
+    AlreadyShardedError,
+    BackendNotFoundError,
+    BackendUnavailableError,
+    CheckpointError,
+    DistributedSetupError,
+    ShardConfigError,
+    ShardcoreError,
+    UnknownKeyError,
+    UnsupportedKeyError,
+    WrapPlanError,
+)
+from .plan import MemoryEstimate, Unit, WrapPlan, build_plan, estimate_memory
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AlreadyShardedError",
+    "Backend",
+    "BackendInfo",
+    "BackendNotFoundError",
+    "BackendUnavailableError",
+    "CheckpointError",
+    "DistributedSetupError",
+    "MemoryEstimate",
+    "MixedPrecision",
+    "ShardConfig",
+    "ShardConfigError",
+    "ShardedModel",
+    "ShardcoreError",
+    "Unit",
+    "UnknownKeyError",
+    "UnsupportedKeyError",
+    "World",
+    "WrapPlan",
+    "WrapPlanError",
+    "available_backends",
+    "build_plan",
+    "estimate_memory",
+    "get_backend",
+    "handle",
+    "parse_config",
+    "shard",
+]

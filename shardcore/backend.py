@@ -1,0 +1,145 @@
+"""The Backend protocol and the registry of backends.
+
+A backend is any object implementing :class:`Backend`, published by a distribution under the
+entry-point group ``shardcore.backends`` (``name = "package.module:BackendClass"``). The in-tree
+backends (``shardcore-fsdp2``, ``shardcore-xla``) are found the same way; the core never imports
+them by name.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any, Protocol, runtime_checkable
+
+from torch import nn
+
+from .config import ShardConfig
+from .errors import BackendNotFoundError, BackendUnavailableError, UnsupportedKeyError
+from .plan import WrapPlan
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "shardcore.backends"
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    size: int
+    device: Any  # torch.device, or the backend's own device object
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What a sharding backend implements. See ``examples/`` for a minimal out-of-tree one."""
+
+    name: str
+    #: the command that installs what this backend needs, quoted in "not available" errors
+    install_hint: str
+    #: ShardConfig fields this backend honours when they differ from their defaults
+    supported_keys: frozenset[str]
+
+    def is_available(self) -> tuple[bool, str]:
+        """Whether this backend can run here, and why not. Must be cheap and must not raise."""
+        ...
+
+    def apply(self, model: nn.Module, plan: WrapPlan, config: ShardConfig) -> nn.Module:
+        """Shard ``model`` in place following ``plan``; return the module to train."""
+        ...
+
+    def world(self) -> World: ...
+
+    def barrier(self) -> None: ...
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """Unsharded state dict with the original parameter names, on CPU; complete on rank 0
+        (other ranks may return an empty dict). Collective: every rank must call it."""
+        ...
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    name: str
+    available: bool
+    reason: str
+    target: str
+
+
+def _entry_points() -> dict[str, metadata.EntryPoint]:
+    eps = metadata.entry_points(group=ENTRY_POINT_GROUP)
+    out: dict[str, metadata.EntryPoint] = {}
+    for ep in eps:
+        out.setdefault(ep.name, ep)
+    return out
+
+
+_instances: dict[str, Backend] = {}
+
+
+def get_backend(name_or_backend: str | Backend) -> Backend:
+    """Look a backend up by registered name, by ``module:Class`` path, or pass an instance through."""
+    if not isinstance(name_or_backend, str):
+        return name_or_backend
+    name = name_or_backend
+    if name in _instances:
+        return _instances[name]
+    eps = _entry_points()
+    if name in eps:
+        target = eps[name].value
+        obj = _load(target, name)
+    elif ":" in name:
+        obj = _load(name, name)
+    else:
+        raise BackendNotFoundError(
+            f"shardcore config key 'backend': no backend named {name!r} is installed. Installed: "
+            f"{', '.join(sorted(eps)) or 'none'}. Install its package (in-tree: pip install -e "
+            f"backends/{name}) or pass 'module:Class'."
+        )
+    backend = obj() if isinstance(obj, type) else obj
+    _instances[name] = backend
+    return backend
+
+
+def _load(target: str, name: str) -> Any:
+    mod_name, _, attr = target.partition(":")
+    try:
+        mod = importlib.import_module(mod_name)
+        return getattr(mod, attr) if attr else mod
+    except (ImportError, AttributeError) as e:
+        raise BackendUnavailableError(
+            f"shardcore backend {name!r}: cannot load {target!r} ({type(e).__name__}: {e})."
+        ) from e
+
+
+def available_backends() -> list[BackendInfo]:
+    """Every registered backend with whether it can run here and, if not, why."""
+    out = []
+    for name, ep in sorted(_entry_points().items()):
+        try:
+            ok, reason = get_backend(name).is_available()
+        except BackendUnavailableError as e:
+            ok, reason = False, str(e)
+        out.append(BackendInfo(name, ok, reason, ep.value))
+    return out
+
+
+def resolve_backend(config: ShardConfig, override: str | Backend | None = None) -> Backend:
+    """The backend ``config`` selects, checked to be available and to support every key set."""
+    backend = get_backend(override if override is not None else config.backend_name)
+    ok, reason = backend.is_available()
+    if not ok:
+        raise BackendUnavailableError(
+            f"shardcore backend {backend.name!r} is not available: {reason}. Install it with: "
+            f"{backend.install_hint}"
+        )
+    unsupported = [k for k in config.non_default_keys() if k not in backend.supported_keys]
+    if unsupported:
+        key = unsupported[0]
+        raise UnsupportedKeyError(
+            key,
+            f"{getattr(config, key)!r} is not supported by the {backend.name!r} backend (unsupported "
+            f"here: {', '.join(unsupported)}). Remove the key or pick a backend that supports it.",
+        )
+    return backend

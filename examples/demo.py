@@ -2,6 +2,7 @@
 with the same model trained on one device.
 
     torchrun --standalone --nproc_per_node 2 examples/demo.py      (what `make demo` runs)
+    accelerate launch --config_file fsdp.yaml examples/demo.py --config fsdp.yaml
 
 Every rank builds the model from one seed, shards it (FSDP2: gloo on CPU, NCCL on CUDA) and trains on
 its slice of each global batch. Rank 0 then trains an unsharded copy on the whole batches and prints
@@ -56,11 +57,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--global-batch", type=int, default=8)
+    ap.add_argument("--config", help="JSON FSDP config or accelerate YAML (default: the CONFIG dict above)")
     args = ap.parse_args()
     torch.use_deterministic_algorithms(True)
     data = batches(args.steps, args.global_batch)
 
-    model = shardcore.shard(build(), CONFIG)
+    model = shardcore.shard(build(), args.config or CONFIG)
     backend = shardcore.handle(model).backend
     world = backend.world()
 

@@ -16,6 +16,7 @@ class SumGradsBackend(FSDP2Backend):
         for m in model.modules():
             if isinstance(m, FSDPModule):
                 m.set_gradient_divide_factor(1.0)
+                m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
         return model
 
 

@@ -41,7 +41,8 @@ _WRAP = {
 
 
 def fsdp2_matrix() -> list[Case]:
-    """Every model x wrap policy x reshard_after_forward x activation_checkpointing."""
+    """Every model x wrap policy x reshard_after_forward x activation_checkpointing, plus cpu_offload
+    and mixed precision on each model."""
     cases = []
     for model, wrap, reshard, ac in itertools.product(("mlp", "llama"), ("transformer", "size", "nowrap"), (True, False), (False, True)):
         if ac and wrap == "nowrap":
@@ -49,6 +50,13 @@ def fsdp2_matrix() -> list[Case]:
         cfg = dict(_WRAP[model][wrap], reshard_after_forward=reshard, activation_checkpointing=ac)
         name = f"{model}-{wrap}-reshard{int(reshard)}-ac{int(ac)}"
         cases.append(Case(name, model, cfg))
+    for model in ("mlp", "llama"):
+        cases.append(Case(f"{model}-cpu_offload", model, {"cpu_offload": True}))
+        # low-precision cases train at a lower lr: AdamW turns a bf16-rounded gradient of the wrong
+        # sign into a full-size step, so the parameter drift per step scales with lr
+        cases.append(Case(f"{model}-mp-bf16", model, {"mixed_precision": "bf16"}, dtype="bf16", lr=1e-3))
+    cases.append(Case("llama-mp-bf16-reduce-fp32", "llama",
+                      {"mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}, dtype="bf16", lr=1e-3))
     return cases
 
 

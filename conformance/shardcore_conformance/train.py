@@ -64,10 +64,14 @@ def run_case(case: Case, backend: Any | None) -> dict[str, Any]:
         runtime = shardcore.handle(model).backend
         world_size = runtime.world().size
     opt = torch.optim.AdamW(model.parameters(), lr=case.lr, weight_decay=0.01)
+    compute_dtype = _reference_compute_dtype(case) if backend is None else None
     losses, grad_norms = [], []
     for batch in make_batches(case.model, case.steps, case.global_batch, case.seed):
-        loss = loss_fn(case.model, model, runtime.local_batch(batch))
-        loss.backward()
+        if compute_dtype is None:
+            loss = loss_fn(case.model, model, runtime.local_batch(batch))
+            loss.backward()
+        else:
+            loss = _low_precision_step(case, model, batch, compute_dtype)
         gsq = runtime.all_reduce_sum(local_grad_sq_sum(model).to(loss.device))
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -79,3 +83,29 @@ def run_case(case: Case, backend: Any | None) -> dict[str, Any]:
         "grad_norms": grad_norms,
         "params": {k: v.detach().float().cpu() for k, v in state.items()},
     }
+
+
+def _reference_compute_dtype(case: Case) -> torch.dtype | None:
+    """The parameter dtype a mixed-precision case computes in (None: full precision)."""
+    from shardcore import parse_config
+
+    mp = parse_config(case.config).mixed_precision
+    if mp is None or mp.param_dtype is None:
+        return None
+    return getattr(torch, mp.param_dtype)
+
+
+def _low_precision_step(case: Case, model: nn.Module, batch, dtype: torch.dtype) -> torch.Tensor:
+    """Single-device mixed precision as FSDP2 does it: fp32 master parameters, forward and backward
+    on a copy cast to ``dtype``, gradients cast back to fp32 for the optimizer step."""
+    import copy
+
+    low = copy.deepcopy(model).to(dtype)
+    # FSDP2's MixedPrecisionPolicy casts floating-point forward inputs too (cast_forward_inputs)
+    batch = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in batch.items()}
+    loss = loss_fn(case.model, low, batch)
+    loss.backward()
+    for p, q in zip(model.parameters(), low.parameters()):
+        if q.grad is not None:
+            p.grad = q.grad.float()
+    return loss

@@ -1,0 +1,18 @@
+"""Backends used by the registry tests, loaded by 'module:Class' exactly like a third-party one."""
+from shardcore_fsdp2 import FSDP2Backend
+
+
+class UnavailableBackend:
+    name = "unavailable"
+    install_hint = "pip install shardcore-unavailable-example"
+    supported_keys = frozenset()
+
+    def is_available(self):
+        return False, "its runtime library is not installed"
+
+
+class OnlyWrapBackend(FSDP2Backend):
+    """A backend that honours nothing but the wrap keys."""
+
+    name = "only-wrap"
+    supported_keys = frozenset({"auto_wrap_policy", "transformer_layer_cls_to_wrap", "min_num_params"})

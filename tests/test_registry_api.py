@@ -1,0 +1,144 @@
+"""Backend registry, backend selection errors, and shard() checks that need no second process."""
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import shardcore
+from shardcore import (
+    AlreadyShardedError, BackendNotFoundError, BackendUnavailableError, ShardConfigError, UnsupportedKeyError,
+)
+from shardcore_conformance.models import MLP, build_llama
+
+
+def test_fsdp2_is_registered_by_entry_point():
+    infos = {b.name: b for b in shardcore.available_backends()}
+    assert infos["fsdp2"].available, infos["fsdp2"].reason
+    assert infos["fsdp2"].target == "shardcore_fsdp2:FSDP2Backend"
+    from importlib.metadata import entry_points
+
+    assert "fsdp2" in {ep.name for ep in entry_points(group="shardcore.backends")}
+
+
+def test_core_never_imports_backends_by_name():
+    code = "import sys, shardcore; shardcore.parse_config({}); print(sorted(m for m in sys.modules if m.startswith('shardcore_')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_unknown_backend_lists_installed_ones():
+    with pytest.raises(BackendNotFoundError, match="fsdp2") as e:
+        shardcore.shard(MLP(), {"backend": "tpu9000"})
+    assert "tpu9000" in str(e.value) and "pip install" in str(e.value)
+
+
+def test_unavailable_backend_names_install_command():
+    with pytest.raises(BackendUnavailableError, match="pip install shardcore-unavailable-example"):
+        shardcore.shard(MLP(), {}, backend="backends_for_tests:UnavailableBackend")
+
+
+def test_key_the_backend_does_not_support_is_an_error():
+    with pytest.raises(UnsupportedKeyError, match="reshard_after_forward") as e:
+        shardcore.shard(MLP(), {"reshard_after_forward": False}, backend="backends_for_tests:OnlyWrapBackend")
+    assert e.value.key == "reshard_after_forward"
+    assert "only-wrap" in str(e.value)
+
+
+def test_unloadable_backend_target():
+    with pytest.raises(BackendUnavailableError, match="no_such_module"):
+        shardcore.get_backend("no_such_module:Backend")
+
+
+def test_not_a_module():
+    with pytest.raises(shardcore.ShardcoreError, match="torch.nn.Module"):
+        shardcore.shard("model", {})
+
+
+def test_activation_checkpointing_conflicts_with_model_gradient_checkpointing():
+    model = build_llama()
+    model.activation_checkpointing_enable()
+    with pytest.raises(ShardConfigError, match="gradient checkpointing enabled") as e:
+        shardcore.shard(model, {"activation_checkpointing": True})
+    assert e.value.key == "activation_checkpointing"
+
+
+def test_activation_checkpointing_needs_units():
+    with pytest.raises(ShardConfigError, match="no units") as e:
+        shardcore.shard(MLP(), {"activation_checkpointing": True, "auto_wrap_policy": "NO_WRAP"})
+    assert e.value.key == "activation_checkpointing"
+
+
+# The checks below shard for real in a world of one (a single-process gloo group).
+
+
+def test_shard_twice_is_an_error():
+    model = shardcore.shard(MLP(), {})
+    with pytest.raises(AlreadyShardedError, match="already sharded"):
+        shardcore.shard(model, {})
+
+
+def test_shard_returns_the_same_module_with_dtensor_params_and_handle():
+    from torch.distributed.tensor import DTensor
+
+    model = MLP()
+    out = shardcore.shard(model, {"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 1150})
+    assert out is model
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    h = shardcore.handle(model)
+    assert h.backend.name == "fsdp2" and h.config.auto_wrap_policy == "SIZE_BASED_WRAP"
+    # blocks.1/2 hold 1,188 parameters each (>= 1,150); blocks.0 (528) and the head go to the root
+    assert [u.path for u in h.plan.units] == ["blocks.1", "blocks.2"]
+    from torch.distributed.fsdp import FSDPModule
+
+    assert isinstance(model.blocks[1], FSDPModule) and isinstance(model, FSDPModule)
+    assert not isinstance(model.blocks[0], FSDPModule) and not isinstance(model.head, FSDPModule)
+
+
+def test_activation_checkpointing_recomputes_each_unit_in_backward():
+    """The unit's forward runs twice per step with checkpointing (forward + recompute), once without."""
+
+    def forwards_per_step(ac: bool) -> int:
+        model = MLP()
+        calls = []
+        model.blocks[1].fc.register_forward_hook(lambda *a: calls.append(1))
+        model = shardcore.shard(model, {"activation_checkpointing": ac})
+        model(torch.randn(4, 13)).sum().backward()
+        return len(calls)
+
+    assert forwards_per_step(False) == 1
+    assert forwards_per_step(True) == 2
+
+
+def test_activation_checkpointing_keeps_parameter_names_and_turns_off_kv_cache():
+    model = build_llama()
+    names = [n for n, _ in model.named_parameters()]
+    shardcore.shard(model, {"activation_checkpointing": True})
+    assert [n for n, _ in model.named_parameters()] == names
+    assert model.config.use_cache is False
+
+
+def test_mixed_precision_computes_in_param_dtype():
+    seen = []
+    model = MLP()
+    model.blocks[0].fc.register_forward_pre_hook(lambda m, a: seen.append((m.weight.dtype, a[0].dtype)))
+    model = shardcore.shard(model, {"mixed_precision": "bf16"})
+    model(torch.randn(4, 13)).float().sum().backward()
+    assert seen == [(torch.bfloat16, torch.bfloat16)]
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # sharded master weights stay fp32
+
+
+def test_reshard_after_forward_frees_gathered_params():
+    from torch.distributed.fsdp import FSDPModule
+
+    def unit_is_sharded_after_forward(flag: bool) -> bool:
+        model = shardcore.shard(MLP(), {"reshard_after_forward": flag})
+        model(torch.randn(4, 13))
+        # after forward, a resharded unit holds its parameters as sharded DTensors again
+        from torch.distributed.tensor import DTensor
+
+        return isinstance(model.blocks[0].fc.weight, DTensor)
+
+    assert unit_is_sharded_after_forward(True) is True
+    assert unit_is_sharded_after_forward(False) is False

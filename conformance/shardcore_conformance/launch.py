@@ -13,6 +13,7 @@ import socket
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,28 +26,68 @@ from .cases import Case
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class LaunchSpec:
+    """How a backend wants its ranks started. A backend may define
+    ``launch_spec(config: ShardConfig, world_size: int) -> LaunchSpec``; without it every rank is its
+    own OS process with the torch.distributed environment (torchrun-style).
+
+    ``processes`` 1 with ``world_size`` > 1 means the backend drives all devices from one process
+    (SPMD, or device threads: then it also defines ``run_on_devices(fn)``, calling ``fn(rank)`` on each
+    device and returning when all have finished). Cases whose ``group`` differs never share a process
+    (for settings that are global to a process, such as XLA's SPMD mode).
+    """
+
+    processes: int
+    env: dict[str, str] = field(default_factory=dict)
+    group: str = ""
+
+
+def launch_spec(backend: str | None, case: Case, world_size: int) -> LaunchSpec:
+    if backend is None:
+        return LaunchSpec(1)
+    import shardcore
+
+    b = shardcore.get_backend(backend)
+    spec = getattr(b, "launch_spec", None)
+    if spec is None:
+        return LaunchSpec(world_size)
+    return spec(shardcore.parse_config(case.config), world_size)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, cases: list[dict], backend: str | None, out_dir: str, env: dict[str, str]) -> None:
+def _worker(rank: int, nprocs: int, world_size: int, port: int, cases: list[dict], backend: str | None, out_dir: str, env: dict[str, str]) -> None:
     os.environ.update(env)
     if backend is None or "xla" not in backend:
         # Transformers imports torch_xla whenever it is installed unless told not to (its own advice
         # for plain-PyTorch jobs); an XLA runtime in an FSDP2 or reference process is dead weight.
         os.environ.setdefault("USE_TORCH_XLA", "0")
-    if backend is not None:
+    if nprocs > 1:
         os.environ.update(
             RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
         )
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
+    run_on_devices = None
+    if backend is not None and nprocs == 1 and world_size > 1:
+        import shardcore
+
+        run_on_devices = getattr(shardcore.get_backend(backend), "run_on_devices", None)
+    if run_on_devices is not None:
+        run_on_devices(lambda device_rank: _run_cases_here(device_rank, cases, backend, Path(out_dir)))
+    else:
+        _run_cases_here(rank, cases, backend, Path(out_dir))
+
+
+def _run_cases_here(rank: int, cases: list[dict], backend: str | None, out: Path) -> None:
     from .train import run_case
 
-    out = Path(out_dir)
     for d in cases:
         case = Case.from_dict(d)
         (out / f"progress.{rank}").write_text(json.dumps({"case": case.name, "t": time.time()}))
@@ -72,7 +113,17 @@ def run_cases(
 ) -> dict[str, dict[str, Any]]:
     """Run ``cases`` on ``world_size`` ranks (``backend`` None: the single-device reference, one
     process). Returns name -> result dict, or name -> {"error": text} for a case that failed."""
-    nprocs = 1 if backend is None else world_size
+    groups: dict[tuple, list[Case]] = {}
+    for c in cases:
+        spec = launch_spec(backend, c, world_size)
+        groups.setdefault((spec.group, spec.processes, tuple(sorted(spec.env.items()))), []).append(c)
+    results: dict[str, dict[str, Any]] = {}
+    for (_, nprocs, spec_env), group in groups.items():
+        results.update(_run_group(group, backend, world_size, nprocs, {**dict(spec_env), **(env or {})}, case_timeout, on_case_done))
+    return results
+
+
+def _run_group(cases, backend, world_size, nprocs, env, case_timeout, on_case_done) -> dict[str, dict[str, Any]]:
     results: dict[str, dict[str, Any]] = {}
     pending = list(cases)
     with tempfile.TemporaryDirectory(prefix="shardcore-conf-") as tmp:
@@ -80,7 +131,7 @@ def run_cases(
             out = Path(tempfile.mkdtemp(dir=tmp))
             ctx = mp.start_processes(
                 _worker,
-                args=(world_size, free_port(), [c.to_dict() for c in pending], backend, str(out), dict(env or {})),
+                args=(nprocs, world_size, free_port(), [c.to_dict() for c in pending], backend, str(out), env),
                 nprocs=nprocs,
                 join=False,
                 start_method="spawn",

@@ -75,6 +75,9 @@ def run_case(case: Case, backend: Any | None) -> dict[str, Any]:
         gsq = runtime.all_reduce_sum(local_grad_sq_sum(model).to(loss.device))
         opt.step()
         opt.zero_grad(set_to_none=True)
+        step_end = getattr(runtime, "step_end", None)  # lazy-tensor backends cut the step's graph here
+        if step_end is not None:
+            step_end()
         losses.append(float(runtime.all_reduce_sum(loss.detach()) / world_size))
         grad_norms.append(float(gsq.sqrt()))
     state = runtime.full_state_dict(model)

@@ -97,7 +97,19 @@ def get_backend(name_or_backend: str | Backend) -> Backend:
             f"{', '.join(sorted(eps)) or 'none'}. Install its package (in-tree: pip install -e "
             f"backends/{name}) or pass 'module:Class'."
         )
-    backend = obj() if isinstance(obj, type) else obj
+    try:
+        backend = obj() if isinstance(obj, type) else obj
+    except Exception as e:  # noqa: BLE001 - whatever the class's constructor raises
+        raise BackendUnavailableError(
+            f"shardcore backend {name!r}: {target if name in eps else name!r} could not be constructed "
+            f"({type(e).__name__}: {e})."
+        ) from e
+    missing = [a for a in ("name", "is_available") if not hasattr(backend, a)]
+    if missing:
+        raise BackendUnavailableError(
+            f"shardcore config key 'backend': {name!r} is a {type(backend).__name__}, not a shardcore "
+            f"Backend (it has no {', '.join(missing)}). Name a class implementing shardcore.Backend."
+        )
     _instances[name] = backend
     return backend
 
@@ -107,7 +119,7 @@ def _load(target: str, name: str) -> Any:
     try:
         mod = importlib.import_module(mod_name)
         return getattr(mod, attr) if attr else mod
-    except (ImportError, AttributeError) as e:
+    except Exception as e:  # noqa: BLE001 - ImportError, or whatever the module raises on import
         raise BackendUnavailableError(
             f"shardcore backend {name!r}: cannot load {target!r} ({type(e).__name__}: {e})."
         ) from e

@@ -21,6 +21,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -256,14 +257,14 @@ def _from_accelerate_yaml(text: str, path: Path) -> dict[str, Any]:
     if dist_type is not None and str(dist_type).upper() not in ("FSDP", "XLA"):
         raise ShardConfigError(
             "distributed_type",
-            f"{dist_type!r} in {path} does not shard parameters. Set distributed_type: FSDP "
+            f"{_show(dist_type)} in {path} does not shard parameters. Set distributed_type: FSDP "
             "(or XLA for torch_xla) to use this file with shardcore.",
         )
     fsdp = data.get("fsdp_config")
     if fsdp is None:
         fsdp = {}
     if not isinstance(fsdp, dict):
-        raise ShardConfigError("fsdp_config", f"must be a mapping of fsdp_ keys, got {fsdp!r}.")
+        raise ShardConfigError("fsdp_config", f"must be a mapping of fsdp_ keys, got {_show(fsdp)}.")
     raw = dict(fsdp)
     if "fsdp_version" not in raw and "version" not in raw:
         # accelerate's own default is FSDP1; we refuse it explicitly rather than guess.
@@ -325,12 +326,12 @@ def _from_dict(raw: Mapping[str, Any]) -> ShardConfig:
     explicit: set[str] = set()
     for key, value in raw.items():
         if not isinstance(key, str):
-            raise ShardConfigError(repr(key), "config keys must be strings.")
+            raise ShardConfigError(_show(key), "config keys must be strings.")
         name = key[5:] if key.startswith("fsdp_") else key
         if name in _FSDP1_ONLY_KEYS:
             raise ShardConfigError(
                 key,
-                f"{value!r} is an FSDP1 setting with no FSDP2 meaning ({_FSDP1_ONLY_KEYS[name]}). "
+                f"{_show(value)} is an FSDP1 setting with no FSDP2 meaning ({_FSDP1_ONLY_KEYS[name]}). "
                 "Remove it.",
             )
         name = _ALIASES.get(name, name)
@@ -338,7 +339,7 @@ def _from_dict(raw: Mapping[str, Any]) -> ShardConfig:
             raise UnknownKeyError(key, known_keys())
         if name in values and values[name] != value:
             raise ShardConfigError(
-                key, f"is given twice with different values ({values[name]!r} and {value!r}). Keep one."
+                key, f"is given twice with different values ({_show(values[name])} and {_show(value)}). Keep one."
             )
         values[name] = value
         explicit.add(name)
@@ -355,19 +356,31 @@ def _from_dict(raw: Mapping[str, Any]) -> ShardConfig:
 # ---------------------------------------------------------------- per-key validation
 
 
+def _show(value: Any, limit: int = 120) -> str:
+    """``repr`` for error messages, bounded: a 5000-digit int or a large nested value must not make
+    the message itself fail (Python refuses to print ints over 4300 digits) or run to megabytes."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 256:
+        return f"{'-' if value < 0 else ''}<integer of about {int(value.bit_length() * 0.30103)} digits>"
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a nested huge int, or an object with a broken __repr__
+        text = f"<unprintable {type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 5] + " ...>"
+
+
 def _bool(key: str, value: Any) -> bool:
     if isinstance(value, bool):
         return value
     if isinstance(value, str) and value.strip().lower() in ("true", "false"):
         return value.strip().lower() == "true"
-    raise ShardConfigError(key, f"must be true or false, got {value!r} ({type(value).__name__}).")
+    raise ShardConfigError(key, f"must be true or false, got {_show(value)} ({type(value).__name__}).")
 
 
 def _version(key: str, value: Any) -> int:
-    if isinstance(value, str) and value.strip().isdigit():
+    if isinstance(value, str) and value.strip().isdecimal():  # not isdigit: int("²") fails
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ShardConfigError(key, f"must be the integer 2, got {value!r}.")
+        raise ShardConfigError(key, f"must be the integer 2, got {_show(value)}.")
     if value == 1:
         raise ShardConfigError(
             key,
@@ -375,7 +388,7 @@ def _version(key: str, value: Any) -> int:
             "fsdp_version: 2); FSDP1 keys such as sharding_strategy map to reshard_after_forward.",
         )
     if value != 2:
-        raise ShardConfigError(key, f"must be 2, got {value!r}.")
+        raise ShardConfigError(key, f"must be 2, got {_show(value)}.")
     return value
 
 
@@ -383,15 +396,28 @@ def _backend(key: str, value: Any) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or not value.strip():
-        raise ShardConfigError(key, f"must be a backend name such as 'fsdp2' or 'xla', got {value!r}.")
-    return value.strip()
+        raise ShardConfigError(key, f"must be a backend name such as 'fsdp2' or 'xla', got {_show(value)}.")
+    value = value.strip()
+    # a registered name, or "package.module:Class" (both halves dotted identifiers)
+    module, sep, attr = value.partition(":")
+    if sep:
+        ok = all(p.isidentifier() for p in module.split(".") + attr.split("."))
+    else:  # entry-point names may hold hyphens and dots
+        ok = re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*", value) is not None
+    if not ok:
+        raise ShardConfigError(
+            key,
+            f"{_show(value)} is neither a backend name (such as 'fsdp2' or 'xla') nor a "
+            "'package.module:BackendClass' path.",
+        )
+    return value
 
 
 def _choice(choices: tuple[str, ...]):
     def check(key: str, value: Any) -> str:
         if isinstance(value, str) and value.strip().upper() in choices:
             return value.strip().upper()
-        raise ShardConfigError(key, f"must be one of {', '.join(choices)}, got {value!r}.")
+        raise ShardConfigError(key, f"must be one of {', '.join(choices)}, got {_show(value)}.")
 
     return check
 
@@ -400,7 +426,7 @@ def _reshard(key: str, value: Any) -> bool:
     if isinstance(value, str) and value.strip().upper() in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"):
         raise ShardConfigError(
             key,
-            f"{value!r} is an FSDP1 sharding strategy. With FSDP2 set true (like FULL_SHARD) or "
+            f"{_show(value)} is an FSDP1 sharding strategy. With FSDP2 set true (like FULL_SHARD) or "
             "false (like SHARD_GRAD_OP).",
         )
     return _bool(key, value)
@@ -415,16 +441,16 @@ def _class_list(key: str, value: Any) -> tuple[str, ...]:
         items = []
         for v in value:
             if not isinstance(v, str):
-                raise ShardConfigError(key, f"must list class names as strings, got {v!r} in {value!r}.")
+                raise ShardConfigError(key, f"must list class names as strings, got {_show(v)} in {_show(value)}.")
             items.append(v.strip())
     else:
         raise ShardConfigError(
-            key, f"must be a list of class names or a comma-separated string, got {value!r}."
+            key, f"must be a list of class names or a comma-separated string, got {_show(value)}."
         )
     items = [v for v in items if v]
     for v in items:
         if not v.isidentifier():
-            raise ShardConfigError(key, f"{v!r} is not a class name (in {value!r}).")
+            raise ShardConfigError(key, f"{_show(v)} is not a class name (in {_show(value)}).")
     return tuple(dict.fromkeys(items))
 
 
@@ -433,11 +459,11 @@ def _min_num_params(key: str, value: Any) -> int:
         try:
             value = float(value) if any(c in value for c in ".eE") else int(value)
         except ValueError:
-            raise ShardConfigError(key, f"must be a non-negative integer, got {value!r}.") from None
+            raise ShardConfigError(key, f"must be a non-negative integer, got {_show(value)}.") from None
     if isinstance(value, float) and math.isfinite(value) and value == int(value):
         value = int(value)  # accelerate YAML often says 1e8
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ShardConfigError(key, f"must be a non-negative integer, got {value!r}.")
+        raise ShardConfigError(key, f"must be a non-negative integer, got {_show(value)}.")
     return value
 
 
@@ -457,7 +483,7 @@ def _dtype_name(key: str, value: Any) -> str | None:
         except ImportError:  # pragma: no cover - torch is a dependency
             pass
     raise ShardConfigError(
-        key, f"{value!r} is not a dtype. Use one of bf16, fp16, fp32 (or bfloat16, float16, float32)."
+        key, f"{_show(value)} is not a dtype. Use one of bf16, fp16, fp32 (or bfloat16, float16, float32)."
     )
 
 
@@ -486,7 +512,7 @@ def _mixed_precision(key: str, value: Any) -> MixedPrecision | None:
             kwargs[k] = _dtype_name(f"{key}.{k}", v)
         return MixedPrecision(**kwargs)
     raise ShardConfigError(
-        key, f"must be 'no', 'bf16', 'fp16' or a mapping of param_dtype/reduce_dtype, got {value!r}."
+        key, f"must be 'no', 'bf16', 'fp16' or a mapping of param_dtype/reduce_dtype, got {_show(value)}."
     )
 
 
@@ -501,23 +527,23 @@ def _xla_settings(key: str, value: Any) -> dict[str, Any]:
         try:
             value = json.loads(value)
         except json.JSONDecodeError:
-            raise ShardConfigError(key, f"must be a mapping of XlaFullyShardedDataParallel arguments, got {value!r}.") from None
+            raise ShardConfigError(key, f"must be a mapping of XlaFullyShardedDataParallel arguments, got {_show(value)}.") from None
     if not isinstance(value, Mapping):
         raise ShardConfigError(
-            key, f"must be a mapping of XlaFullyShardedDataParallel arguments, got {value!r}."
+            key, f"must be a mapping of XlaFullyShardedDataParallel arguments, got {_show(value)}."
         )
     for k in value:
         if not isinstance(k, str):
-            raise ShardConfigError(f"{key}.{k!r}", "setting names must be strings.")
+            raise ShardConfigError(f"{key}.{_show(k)}", "setting names must be strings.")
     # Which names and values are valid is the XLA backend's business (it knows the class).
     return dict(value)
 
 
 def _timeout(key: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ShardConfigError(key, f"must be a number of seconds, got {value!r}.")
-    if not math.isfinite(value) or value <= 0 or value > 7 * 24 * 3600:
-        raise ShardConfigError(key, f"must be a positive number of seconds up to a week, got {value!r}.")
+        raise ShardConfigError(key, f"must be a number of seconds, got {_show(value)}.")
+    if value <= 0 or value > 7 * 24 * 3600 or not math.isfinite(value):  # huge ints: no float()
+        raise ShardConfigError(key, f"must be a positive number of seconds up to a week, got {_show(value)}.")
     return float(value)
 
 
@@ -546,13 +572,13 @@ def _check_combinations(cfg: ShardConfig) -> None:
     if cfg.auto_wrap_policy == "SIZE_BASED_WRAP" and cfg.min_num_params <= 0:
         raise ShardConfigError(
             "min_num_params",
-            f"is {cfg.min_num_params!r} with auto_wrap_policy SIZE_BASED_WRAP; every module would be "
+            f"is {_show(cfg.min_num_params)} with auto_wrap_policy SIZE_BASED_WRAP; every module would be "
             "its own unit. Set min_num_params to a positive parameter count (e.g. 1e6).",
         )
     if "min_num_params" in cfg.explicit and cfg.min_num_params > 0 and cfg.auto_wrap_policy != "SIZE_BASED_WRAP":
         raise ShardConfigError(
             "min_num_params",
-            f"is {cfg.min_num_params} but auto_wrap_policy is {cfg.auto_wrap_policy}, which does not use "
+            f"is {_show(cfg.min_num_params)} but auto_wrap_policy is {cfg.auto_wrap_policy}, which does not use "
             "it. Set auto_wrap_policy: SIZE_BASED_WRAP or remove min_num_params.",
         )
     if cfg.transformer_layer_cls_to_wrap and cfg.auto_wrap_policy != "TRANSFORMER_BASED_WRAP":

@@ -7,8 +7,11 @@ the config's ``timeout`` so that a peer that never comes fails the run instead o
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
+import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -44,8 +47,14 @@ def env_world() -> tuple[int, int, int]:
 
 
 def ensure_process_group(timeout_s: float, use_cuda: bool) -> None:
-    """Initialise the default process group if the training script has not done so."""
+    """Initialise the default process group if the training script has not done so.
+
+    An existing group must agree with the launcher's RANK / WORLD_SIZE. Once the group has more than
+    one rank, each rank records its host and pid, so that a failed collective later says which rank
+    was lost (see :func:`describe_peers`)."""
     if dist.is_initialized():
+        _check_existing_group()
+        _watch_peers()
         return
     rank, size, local = env_world()
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -68,3 +77,118 @@ def ensure_process_group(timeout_s: float, use_cuda: bool) -> None:
             "config key 'timeout'."
         ) from e
     log.info("shardcore: joined process group %s as rank %d of %d", backend, rank, size)
+    _watch_peers()
+
+
+def _check_existing_group() -> None:
+    """A process group made by the script must be the world the launcher says it is."""
+    size, rank = dist.get_world_size(), dist.get_rank()
+    for var, have in (("WORLD_SIZE", size), ("RANK", rank)):
+        want = os.environ.get(var)
+        if want is not None and want.strip() != str(have):
+            raise DistributedSetupError(
+                f"shardcore: the initialized process group has {var.lower().replace('_', ' ')} {have} but the "
+                f"launcher's {var}={want}. The mesh is built from the process group, so they must agree: "
+                f"pass world_size=int(os.environ['WORLD_SIZE']) and rank=int(os.environ['RANK']) to "
+                "init_process_group, or let shardcore.shard() create the group."
+            )
+
+
+# ---------------------------------------------------------------- lost peers
+
+_peers: dict[int, tuple[str, int]] = {}  # rank -> (hostname, pid), filled once the group is up
+_hook_installed = False
+
+
+def _watch_peers() -> None:
+    """Record every rank's (host, pid) in the group's store and install an excepthook that, when a
+    collective fails uncaught (gloo: 'Connection reset by peer' once a peer died, or a timeout once
+    it stopped answering), ends the process with a DistributedSetupError naming the lost rank."""
+    global _hook_installed
+    size = dist.get_world_size()
+    if size == 1 or _peers:
+        return
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        me = dist.get_rank()
+        store.set(f"shardcore/peer/{me}", json.dumps([socket.gethostname(), os.getpid()]))
+        for r in range(size):  # every rank calls shard(); bounded by the store's timeout
+            host, pid = json.loads(store.get(f"shardcore/peer/{r}"))
+            _peers[r] = (host, int(pid))
+    except Exception as e:  # noqa: BLE001 - diagnostics only; never fail sharding for them
+        log.warning("shardcore: could not record peer processes (%s); lost ranks will not be named", e)
+        _peers.clear()
+        return
+    if not _hook_installed:
+        previous = sys.excepthook
+
+        def hook(exc_type, exc, tb):  # noqa: ANN001
+            if isinstance(exc, RuntimeError) and not isinstance(exc, DistributedSetupError) and _is_comm_failure(exc):
+                err = DistributedSetupError(describe_peers(str(exc)))
+                err.__cause__ = exc
+                return previous(DistributedSetupError, err, tb)
+            return previous(exc_type, exc, tb)
+
+        sys.excepthook = hook
+        _hook_installed = True
+
+
+def _is_comm_failure(exc: BaseException) -> bool:
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc)
+    return any(m in text for m in ("gloo", "Connection reset", "Connection closed", "Timed out", "NCCL"))
+
+
+def _process_state(pid: int) -> str:
+    """'gone', 'stopped', 'alive' (a local pid), from /proc where there is one."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return {"Z": "gone", "X": "gone", "T": "stopped", "t": "stopped"}.get(state, "alive")
+    except FileNotFoundError:
+        return "gone"
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return "gone"
+    except PermissionError:
+        pass
+    return "alive"
+
+
+def describe_peers(cause: str = "") -> str:
+    """Which ranks this one lost: each peer on this host is checked by pid; peers elsewhere are
+    listed as unchecked. Used to explain a failed collective."""
+    me = dist.get_rank() if dist.is_initialized() else None
+    size = len(_peers)
+    host = socket.gethostname()
+    gone, stopped, unchecked = [], [], []
+    for r, (h, pid) in sorted(_peers.items()):
+        if r == me:
+            continue
+        if h != host:
+            unchecked.append(f"rank {r} (pid {pid} on {h})")
+            continue
+        state = _process_state(pid)
+        if state == "gone":
+            gone.append(f"rank {r} (pid {pid})")
+        elif state == "stopped":
+            stopped.append(f"rank {r} (pid {pid})")
+    parts = []
+    if gone:
+        parts.append(f"lost {', '.join(gone)}: the process has exited or was killed")
+    if stopped:
+        parts.append(f"{', '.join(stopped)} is stopped (SIGSTOP?) and did not answer within the config's 'timeout'")
+    if not parts:
+        parts.append(
+            "no peer on this host has exited" + (f"; not checked: {', '.join(unchecked)}" if unchecked else "")
+        )
+    first = cause.strip().splitlines()[0][:300] if cause.strip() else ""
+    return (
+        f"shardcore: a collective failed on rank {me} of {size}: {'; '.join(parts)}. "
+        + (f"({first}) " if first else "")
+        + "The other ranks cannot go on without it; restart every rank (from the last checkpoint)."
+    )

@@ -4,6 +4,7 @@
 """
 from .api import ShardedModel, handle, shard
 from .backend import Backend, BackendInfo, World, available_backends, get_backend
+from .checkpoint import from_pretrained, load, save
 from .config import MixedPrecision, ShardConfig, parse_config
 from .errors import (
     AlreadyShardedError,
@@ -44,8 +45,11 @@ __all__ = [
     "available_backends",
     "build_plan",
     "estimate_memory",
+    "from_pretrained",
     "get_backend",
     "handle",
+    "load",
     "parse_config",
+    "save",
     "shard",
 ]

@@ -58,6 +58,39 @@ class Backend(Protocol):
         (other ranks may return an empty dict). Collective: every rank must call it."""
         ...
 
+    # -- checkpoints (see shardcore.checkpoint). FULL checkpoints are one unsharded state dict with
+    # the original parameter names, so any backend that implements these reads and writes them.
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` (picklable) on every rank. Collective."""
+        ...
+
+    def load_full_state_dict(self, model: nn.Module, state_dict: dict[str, Any]) -> None:
+        """Load an unsharded state dict (original names) into the sharded ``model``. Only rank 0's
+        ``state_dict`` is read (the others pass ``{}``); each rank keeps its shard. A model whose
+        tensors are on the meta device gets real ones. Collective."""
+        ...
+
+    def full_optimizer_state_dict(self, model: nn.Module, optimizer: Any) -> dict[str, Any]:
+        """``optimizer``'s state unsharded and keyed by parameter name (the layout of
+        ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(full_state_dict=True)``),
+        on CPU; complete on rank 0, other ranks may return ``{}``. Collective."""
+        ...
+
+    def load_full_optimizer_state_dict(self, model: nn.Module, optimizer: Any, state: dict[str, Any]) -> None:
+        """Inverse of :meth:`full_optimizer_state_dict`; only rank 0's ``state`` is read. Collective."""
+        ...
+
+    def save_sharded_state_dict(self, model: nn.Module, optimizer: Any | None, path: str) -> None:
+        """Write ``model`` (and ``optimizer``) as a ``torch.distributed.checkpoint`` directory at
+        ``path`` (it exists and is empty), state keyed ``model.<name>`` and ``optimizer.<...>``; every
+        rank writes its own shards. Collective."""
+        ...
+
+    def load_sharded_state_dict(self, model: nn.Module, optimizer: Any | None, path: str) -> None:
+        """Read a directory written by :meth:`save_sharded_state_dict`, possibly by a run of another
+        world size, into ``model`` (and ``optimizer``). Collective."""
+        ...
+
 
 @dataclass(frozen=True)
 class BackendInfo:

@@ -312,8 +312,11 @@ def _fsync(path: Path) -> None:
 
 def _commit(tmp: Path, final: Path) -> None:
     """Move the finished ``tmp`` to ``final``; an old checkpoint there is swapped out, then deleted."""
+    umask = os.umask(0)
+    os.umask(umask)
     for f in tmp.rglob("*"):
         if f.is_file():
+            f.chmod(0o666 & ~umask)  # safetensors writes 0600 files; a checkpoint is meant to be shared
             _fsync(f)
     _fsync(tmp)
     if not final.exists():
@@ -594,7 +597,16 @@ def _to_cpu(obj: Any) -> Any:
 
 
 def _expected_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    """Every state-dict key of ``model`` with its global shape (a sharded tensor reports the whole)."""
+    """Every state-dict key of ``model`` with its global shape (a sharded tensor reports the whole).
+
+    A backend whose wrappers rename or flatten parameters (XLA FSDP) says it itself through
+    ``full_state_dict_shapes(model)``."""
+    from .api import _HANDLE_ATTR
+
+    backend = getattr(getattr(model, _HANDLE_ATTR, None), "backend", None)
+    shapes = getattr(backend, "full_state_dict_shapes", None)
+    if shapes is not None:
+        return shapes(model)
     return {k: tuple(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
 
 

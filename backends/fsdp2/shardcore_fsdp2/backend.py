@@ -36,6 +36,8 @@ class FSDP2Backend:
             "activation_checkpointing",
             "mixed_precision",
             "timeout",
+            "state_dict_type",
+            "cpu_ram_efficient_loading",
         }
     )
 
@@ -61,11 +63,16 @@ class FSDP2Backend:
             kwargs["mp_policy"] = MixedPrecisionPolicy(**config.mixed_precision.torch_dtypes())
         if config.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        # cpu_ram_efficient_loading: shard on the meta device, then broadcast rank 0's weights
+        from_rank0 = _take_rank0_weights(model) if config.cpu_ram_efficient_loading and dist.get_world_size() > 1 else None
         for unit in plan.modules(model):
             if config.activation_checkpointing:
                 checkpoint_forward(unit)
             fully_shard(unit, **kwargs)
         fully_shard(model, **kwargs)
+        if from_rank0 is not None:
+            self.load_full_state_dict(model, from_rank0[0])
+            _broadcast_buffers(model, from_rank0[1], self._device())
         return model
 
     def world(self) -> World:
@@ -97,10 +104,52 @@ class FSDP2Backend:
             out[k] = v[w.rank * n : (w.rank + 1) * n].to(w.device)
         return out
 
+    def broadcast_object(self, obj: Any) -> Any:
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_full_state_dict(self, model: nn.Module, state_dict: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        # rank 0's tensors are broadcast one at a time; each rank keeps its shard. A meta-device
+        # model gets new tensors assigned, one per name, which unties tied weights: tie them again
+        # to the parameter FSDP2 manages (the first holder, in module order).
+        ties = _param_sites(model)
+        set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        _retie(ties)
+
+    def full_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_full_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, osd: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(model, optimizer, osd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+    def save_sharded_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(_sharded_state(model, optimizer), checkpoint_id=path)
+
+    def load_sharded_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        state = _sharded_state(model, optimizer)
+        dcp.load(state, checkpoint_id=path)  # reshards: the saving run may have had another world size
+        set_model_state_dict(model, state["model"])
+        if optimizer is not None:
+            set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
     # -- helpers --------------------------------------------------------------------------------
     def mesh(self, config: ShardConfig):
@@ -136,3 +185,101 @@ def checkpoint_forward(module: nn.Module) -> None:
 
     module.forward = forward  # type: ignore[method-assign]
     module._shardcore_checkpointed = True  # type: ignore[attr-defined]
+
+
+def _sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """The DCP layout: ``{"model": ..., "optimizer": ...}`` keyed by original parameter names."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    return state
+
+
+def _take_rank0_weights(model: nn.Module) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Before sharding with cpu_ram_efficient_loading: keep rank 0's weights aside and move every
+    rank's model to the meta device, so that sharding allocates nothing and rank 0's weights can be
+    broadcast into the shards afterwards. Returns (rank 0's state dict, its non-persistent buffers);
+    both empty on the other ranks, whose model may have been built on the meta device."""
+    from shardcore.errors import ShardConfigError
+
+    rank = dist.get_rank()
+    tensors = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    layout = {k: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for k, t in tensors.items()}
+    rank0_meta = any(t.is_meta for t in tensors.values())
+    box = [(rank0_meta, layout)]
+    dist.broadcast_object_list(box, src=0)
+    rank0_meta, rank0_layout = box[0]
+    problem = None
+    if rank0_meta:
+        problem = (
+            "is true but rank 0's model has tensors on the meta device. Rank 0 must hold the real weights "
+            "(from_pretrained there); the other ranks may build the model on the meta device."
+        )
+    elif {k: v[0] for k, v in layout.items()} != {k: v[0] for k, v in rank0_layout.items()}:
+        diff = sorted(set(layout.items()) ^ set(rank0_layout.items()))[:3]
+        problem = (
+            f"is true but rank {rank}'s model differs from rank 0's (names or shapes: {diff}). Build the same "
+            "model from the same config on every rank."
+        )
+    problems = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    bad = next((p for p in problems if p), None)
+    if bad:
+        raise ShardConfigError("cpu_ram_efficient_loading", bad)
+
+    non_persistent = [
+        f"{prefix}.{name}" if prefix else name
+        for prefix, mod in model.named_modules()
+        for name in mod._non_persistent_buffers_set
+        if mod._buffers.get(name) is not None
+    ]
+    state = model.state_dict() if rank == 0 else {}
+    buffers = {k: tensors[k] for k in non_persistent} if rank == 0 else {}
+    ties = _param_sites(model)
+    model.to(torch.device("meta"))
+    # the other ranks take rank 0's dtypes, so that every rank shards the same thing
+    for prefix, mod in model.named_modules(remove_duplicate=False):
+        for slot in (mod._parameters, mod._buffers):
+            for name, t in list(slot.items()):
+                want = None if t is None else getattr(torch, rank0_layout[f"{prefix}.{name}" if prefix else name][1])
+                if want is not None and t.dtype != want:
+                    new = torch.empty_like(t, dtype=want)
+                    slot[name] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
+    _retie(ties)  # .to() gives each module its own new Parameter
+    return state, buffers
+
+
+def _param_sites(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """For each parameter shared by several modules (tied weights), every (module, name) holding it."""
+    by_id: dict[int, list[tuple[nn.Module, str]]] = {}
+    for mod in model.modules():
+        for name, p in mod._parameters.items():
+            if p is not None:
+                by_id.setdefault(id(p), []).append((mod, name))
+    return [s for s in by_id.values() if len(s) > 1]
+
+
+def _retie(ties: list[list[tuple[nn.Module, str]]]) -> None:
+    """Make every holder of a tied parameter hold its first holder's parameter again."""
+    for sites in ties:
+        first_mod, first_name = sites[0]
+        for mod, name in sites[1:]:
+            mod._parameters[name] = first_mod._parameters[first_name]
+
+
+def _broadcast_buffers(model: nn.Module, rank0_buffers: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Non-persistent buffers (rotary ``inv_freq``...) are in no state dict: send rank 0's to all."""
+    for prefix, mod in model.named_modules():
+        for name in sorted(mod._non_persistent_buffers_set):
+            buf = mod._buffers.get(name)
+            if buf is None:
+                continue
+            fqn = f"{prefix}.{name}" if prefix else name
+            if dist.get_rank() == 0:
+                t = rank0_buffers[fqn].detach().to(device).contiguous()
+            else:
+                t = torch.empty(buf.shape, dtype=buf.dtype, device=device)
+            dist.broadcast(t, src=0)
+            mod.register_buffer(name, t, persistent=False)

@@ -1,0 +1,61 @@
+"""Smoke test of the benchmark scripts in their tiny mode: they run, print ratios and write JSON.
+
+Times are never asserted (the machine is shared and noisy); byte counts are exact, so the memory
+figures are checked against their goal and the `shardcore plan` estimate.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.multiprocess
+
+
+def _run(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, USE_TORCH_XLA="0")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True,
+                         timeout=timeout, env=env)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return out
+
+
+def test_overhead_tiny_prints_the_ratio(tmp_path):
+    res = tmp_path / "overhead.json"
+    out = _run("overhead.py", "--size", "tiny", "--steps", "2", "--warmup", "1", "--out", str(res))
+    m = re.search(r"ratio shardcore/hand-written (\d+\.\d+)", out.stdout)
+    assert m, out.stdout
+    data = json.loads(res.read_text())
+    r = data["results"][0]
+    assert r["backend"] == "fsdp2" and r["world_size"] == 2 and r["step_s"]["shardcore"]["n"] == 2
+    assert math.isfinite(r["ratio_of_medians"]) and r["ratio_of_medians"] > 0
+    assert abs(float(m.group(1)) - r["ratio_of_medians"]) < 1e-3
+    assert {"cpu", "cores", "torch"} <= set(data["machine"])
+
+
+def test_memory_tiny_matches_goal_and_estimate(tmp_path):
+    res = tmp_path / "memory.json"
+    out = _run("memory.py", "--size", "tiny", "--world-sizes", "2", "--out", str(res))
+    assert "ratio to full/world" in out.stdout
+    row = json.loads(res.read_text())["rows"][0]
+    assert row["world_size"] == 2 and len(row["per_rank_bytes"]) == 2
+    # a byte count, not a time: sharding must actually halve every kind of state
+    for kind in ("params", "grads", "adamw_state", "total"):
+        assert 0.99 <= row["ratio_to_ideal"][kind] <= 1.02, (kind, row)
+        assert abs(row["estimate_over_measured"][kind] - 1) < 0.02, (kind, row)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a CUDA machine gpu.py runs the full benchmarks")
+def test_gpu_script_without_cuda_says_so_and_exits_0():
+    out = _run("gpu.py", timeout=120)
+    assert "no CUDA device" in out.stdout

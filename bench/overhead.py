@@ -167,12 +167,18 @@ def _xla_child(path: str, size: str, steps: int, warmup: int) -> None:
     xs.set_global_mesh(mesh)
     device = torch_xla.device()
 
-    def hand(model):
+    def shard_output(output, mesh):  # the Trainer's, for every wrapped module's output
+        real = output if isinstance(output, torch.Tensor) else output[0] if isinstance(output, tuple) else output.logits
+        xs.mark_sharding(real, mesh, ("fsdp", None, None))
+
+    def hand(model):  # the Trainer's own FSDPv2 wrapping, written out
+        import functools
+
+        from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-        for i, layer in enumerate(model.model.layers):
-            model.model.layers[i] = FSDPv2(layer, mesh=mesh)
-        return FSDPv2(model, mesh=mesh)
+        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
+        return FSDPv2(model, mesh=mesh, shard_output=shard_output, auto_wrap_policy=policy)
 
     def input_sharded(data):
         for v in data.values():
@@ -185,6 +191,7 @@ def _xla_child(path: str, size: str, steps: int, warmup: int) -> None:
     }
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
     times: dict[str, list[float]] = {k: [] for k in models}
+    losses: dict[str, list[float]] = {k: [] for k in models}
     global_bs = LLAMA_SIZES[size]["batch"] * n
     for i in range(warmup + steps):
         order = ["shardcore", "hand"] if i % 2 == 0 else ["hand", "shardcore"]
@@ -203,13 +210,18 @@ def _xla_child(path: str, size: str, steps: int, warmup: int) -> None:
             xm_wait()
             if i >= warmup:
                 times[k].append(time.perf_counter() - t0)
+            losses[k].append(float(loss.detach().cpu()))
     sc, hd = times["shardcore"], times["hand"]
+    # the same work: both start from one seed and see the same batches
+    gap = max(abs(a - b) for a, b in zip(losses["shardcore"], losses["hand"]))
+    assert gap < 1e-3 * max(1.0, abs(losses["hand"][0])), f"XLA losses diverged by {gap}"
     Path(path).write_text(json.dumps({
         "backend": "xla", "mode": "SPMD FSDPv2", "devices": n, "device": "PJRT CPU",
         "model": {"size": size, **LLAMA_SIZES[size]}, "steps": steps, "warmup": warmup,
         "step_s": {"shardcore": summary(sc), "hand_written": summary(hd)},
         "ratio_of_medians": statistics.median(sc) / statistics.median(hd),
         "paired_ratio": summary([a / b for a, b in zip(sc, hd)]),
+        "max_loss_gap": gap,
         "goal": "ratio <= 1.01",
     }))
 
@@ -242,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=sorted(LLAMA_SIZES), default="full")
     ap.add_argument("--steps", type=int, default=40, help="timed steps per variant")
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (XLA: graph compiles)")
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--xla", action="store_true", help="also compare the XLA backend with hand-written torch_xla SPMD FSDP")
     ap.add_argument("--out", help="result JSON (default bench/results/overhead.json)")

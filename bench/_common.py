@@ -21,6 +21,9 @@ LLAMA_SIZES = {
                  num_attention_heads=4, num_key_value_heads=2, seq=16, batch=2),
     "full": dict(vocab_size=1024, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
                  num_attention_heads=8, num_key_value_heads=4, seq=64, batch=4),
+    # dim-0 sizes that no world size divides: shows the padding of the last shard
+    "odd": dict(vocab_size=1001, hidden_size=130, intermediate_size=345, num_hidden_layers=3,
+                num_attention_heads=5, num_key_value_heads=5, seq=64, batch=4),
     # for a GPU: big enough that the step is compute-bound
     "gpu": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
                 num_attention_heads=16, num_key_value_heads=8, seq=2048, batch=4),

@@ -101,8 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     out["overhead"] = [overhead.run_fsdp2(sz, args.steps, 5, world_size=min(2, ngpu)) for sz in ("full", "gpu")]
     for r in out["overhead"]:
         print(overhead.report(r), flush=True)
-    out["memory"] = memory.run("full", [1, 2, 4])
-    print(memory.report(out["memory"]), flush=True)
+    out["memory"] = [memory.run(size, [1, 2, 4]) for size in ("full", "odd")]
+    for r in out["memory"]:
+        print(memory.report(r), flush=True)
     out["throughput"] = run_throughput(args.size, args.steps, 3, ngpu)
     t = out["throughput"]
     mfu = f"{t['mfu'] * 100:.1f}%" if t["mfu"] is not None else "n/a (unknown GPU peak)"

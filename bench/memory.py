@@ -1,7 +1,8 @@
 """Bytes each rank holds after ``shardcore.shard``: parameters, gradients and AdamW state.
 
 For world sizes 1, 2 and 4 (gloo ranks on CPU, or NCCL ranks on as many GPUs as there are), a tiny
-Llama is sharded, one AdamW step is taken (so gradients and optimizer state exist), and each rank
+Llama ("full": dims that 4 divides; "odd": dims that no world size divides, so the last shard is
+padded) is sharded, one AdamW step is taken (so gradients and optimizer state exist), and each rank
 counts the bytes of the storage behind its local shards (padding included; a flat buffer shared by
 several gradients is counted once). The figure printed is
 
@@ -11,7 +12,7 @@ for the largest rank, and the `shardcore plan` estimate (``shardcore.estimate_me
 measurement as estimate / measured.
 
     python bench/memory.py                      # writes bench/results/memory.json
-    python bench/memory.py --size tiny --world-sizes 1 2
+    python bench/memory.py --sizes tiny --world-sizes 1 2
 """
 from __future__ import annotations
 
@@ -120,13 +121,15 @@ def report(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", choices=sorted(LLAMA_SIZES), default="full")
+    ap.add_argument("--sizes", choices=sorted(LLAMA_SIZES), nargs="+", default=["full", "odd"])
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--out", help="result JSON (default bench/results/memory.json)")
     args = ap.parse_args(argv)
-    r = run(args.size, args.world_sizes)
-    print(report(r))
-    path = write_result("memory", r, args.out)
+    runs = []
+    for size in args.sizes:
+        runs.append(run(size, args.world_sizes))
+        print(report(runs[-1]), flush=True)
+    path = write_result("memory", {"runs": runs}, args.out)
     print(f"written: {path}")
     return 0
 

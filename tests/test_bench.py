@@ -45,9 +45,9 @@ def test_overhead_tiny_prints_the_ratio(tmp_path):
 
 def test_memory_tiny_matches_goal_and_estimate(tmp_path):
     res = tmp_path / "memory.json"
-    out = _run("memory.py", "--size", "tiny", "--world-sizes", "2", "--out", str(res))
+    out = _run("memory.py", "--sizes", "tiny", "--world-sizes", "2", "--out", str(res))
     assert "ratio to full/world" in out.stdout
-    row = json.loads(res.read_text())["rows"][0]
+    row = json.loads(res.read_text())["runs"][0]["rows"][0]
     assert row["world_size"] == 2 and len(row["per_rank_bytes"]) == 2
     # a byte count, not a time: sharding must actually halve every kind of state
     for kind in ("params", "grads", "adamw_state", "total"):

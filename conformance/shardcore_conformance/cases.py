@@ -1,14 +1,44 @@
-"""Conformance cases: a model, a config and a short training schedule, all deterministic."""
+"""Conformance cases: a model, a config and a short training schedule, all deterministic.
+
+:func:`matrix_for` builds the case matrix of one backend from the config keys it declares
+(``backend.supported_keys``): every declared key is a dimension, so a backend that honours fewer
+keys gets fewer cases, and a key it does not declare is never set.
+
+- Structural keys are crossed with each other on every model: ``auto_wrap_policy`` (three
+  policies; SIZE_BASED_WRAP through ``min_num_params``), ``reshard_after_forward``,
+  ``activation_checkpointing``, ``xla_fsdp_v2``, ``xla_fsdp_grad_ckpt``.
+- Every other key gets its own cases on the default structure (``cpu_offload``,
+  ``mixed_precision``, ``xla_fsdp_settings`` compute dtype, ``transformer_layer_cls_to_wrap``,
+  ``state_dict_type``, ``cpu_ram_efficient_loading``, ``timeout``).
+- Feature cases run for every backend, with only the keys it declares: frozen parameters,
+  buffers, uneven shards, gradient accumulation, a learning-rate schedule.
+"""
 from __future__ import annotations
 
 import fnmatch
 import itertools
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
+
+from .models import MODELS
+
+#: the global batch of every case is this many rows per rank (times the world size)
+PER_RANK_BATCH = 4
+#: low-precision cases train at a lower lr: AdamW turns a bf16-rounded gradient of the wrong sign
+#: into a full-size step, so the parameter drift per step scales with lr
+LOW_PRECISION_LR = 1e-3
 
 
 @dataclass(frozen=True)
 class Case:
+    """One training run, done once on a single device and once sharded.
+
+    ``global_batch`` rows per optimizer step, split into ``grad_accum`` micro-batches (each
+    divided among the ranks by the backend's ``local_batch``); ``lr_schedule`` is ``"constant"`` or
+    ``"warmup_cosine"``; parameters whose names match a ``frozen`` pattern get
+    ``requires_grad=False`` before sharding. ``family`` groups cases in the report.
+    """
+
     name: str
     model: str
     config: dict[str, Any] = field(default_factory=dict)
@@ -17,6 +47,21 @@ class Case:
     seed: int = 0
     lr: float = 1e-2
     dtype: str = "fp32"
+    grad_accum: int = 1
+    lr_schedule: str = "constant"
+    frozen: tuple[str, ...] = ()
+    family: str = ""
+
+    def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise ValueError(f"case {self.name!r}: unknown model {self.model!r}; known: {', '.join(MODELS)}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"case {self.name!r}: lr_schedule {self.lr_schedule!r}; known: {', '.join(LR_SCHEDULES)}")
+        if self.grad_accum < 1 or self.global_batch % self.grad_accum:
+            raise ValueError(f"case {self.name!r}: global_batch {self.global_batch} is not a multiple of grad_accum {self.grad_accum}")
+        object.__setattr__(self, "frozen", tuple(self.frozen))
+        if not self.family:
+            object.__setattr__(self, "family", self.model)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -26,41 +71,163 @@ class Case:
         return cls(**d)
 
 
-_WRAP = {
-    "mlp": {
-        "transformer": {"auto_wrap_policy": "TRANSFORMER_BASED_WRAP"},
-        "size": {"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 500},
-        "nowrap": {"auto_wrap_policy": "NO_WRAP"},
-    },
-    "llama": {
-        "transformer": {"auto_wrap_policy": "TRANSFORMER_BASED_WRAP"},
-        "size": {"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 2000},
-        "nowrap": {"auto_wrap_policy": "NO_WRAP"},
-    },
+LR_SCHEDULES = ("constant", "warmup_cosine")
+
+# Keys crossed with each other (value tried besides the default), in name order.
+_TOGGLES = (
+    ("reshard_after_forward", "reshard", True),
+    ("activation_checkpointing", "ac", False),
+    ("xla_fsdp_v2", "v2", False),
+    ("xla_fsdp_grad_ckpt", "gc", False),
+)
+# Which parameters the frozen cases freeze: a whole unit plus part of the root (and, for GPT-2, part
+# of a unit). The tied GPT-2 embedding stays trainable, so the head keeps training.
+_FROZEN = {
+    "mlp": ("blocks.0.*", "head.bias"),
+    "llama": ("model.embed_tokens.*", "model.layers.0.*"),
+    "gpt2": ("transformer.wpe.*", "transformer.h.0.attn.*"),
 }
+_LAYER_CLS = {"mlp": "MLPBlock", "llama": "LlamaDecoderLayer", "gpt2": "GPT2Block"}
+STRUCTURAL_MODELS = ("mlp", "llama", "gpt2")
 
 
-def fsdp2_matrix() -> list[Case]:
-    """Every model x wrap policy x reshard_after_forward x activation_checkpointing, plus cpu_offload
-    and mixed precision on each model."""
-    cases = []
-    for model, wrap, reshard, ac in itertools.product(("mlp", "llama"), ("transformer", "size", "nowrap"), (True, False), (False, True)):
-        if ac and wrap == "nowrap":
-            continue  # activation checkpointing needs units to checkpoint; NO_WRAP has none
-        cfg = dict(_WRAP[model][wrap], reshard_after_forward=reshard, activation_checkpointing=ac)
-        name = f"{model}-{wrap}-reshard{int(reshard)}-ac{int(ac)}"
-        cases.append(Case(name, model, cfg))
-    for model in ("mlp", "llama"):
-        cases.append(Case(f"{model}-cpu_offload", model, {"cpu_offload": True}))
-        # low-precision cases train at a lower lr: AdamW turns a bf16-rounded gradient of the wrong
-        # sign into a full-size step, so the parameter drift per step scales with lr
-        cases.append(Case(f"{model}-mp-bf16", model, {"mixed_precision": "bf16"}, dtype="bf16", lr=1e-3))
-    cases.append(Case("llama-mp-bf16-reduce-fp32", "llama",
-                      {"mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}, dtype="bf16", lr=1e-3))
-    return cases
+def supported_keys(backend: Any) -> frozenset[str]:
+    """``backend.supported_keys`` of a backend object, registered name or ``module:Class``."""
+    if isinstance(backend, str):
+        import shardcore
+
+        backend = shardcore.get_backend(backend)
+    return frozenset(getattr(backend, "supported_keys", frozenset()))
+
+
+def _wraps(model: str, keys: frozenset[str]) -> list[tuple[str, dict[str, Any]]]:
+    out: list[tuple[str, dict[str, Any]]] = [("transformer", {"auto_wrap_policy": "TRANSFORMER_BASED_WRAP"} if "auto_wrap_policy" in keys else {})]
+    if "auto_wrap_policy" not in keys:
+        return out
+    size = MODELS[model].size_wrap_min_params
+    if size is not None and "min_num_params" in keys:
+        # (tied GPT-2 has none: a unit with the input embedding shares it with the head outside)
+        out.append(("size", {"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": size}))
+    out.append(("nowrap", {"auto_wrap_policy": "NO_WRAP"}))
+    return out
+
+
+def low_precision_knob(keys: frozenset[str]) -> dict[str, Any] | None:
+    """The config that makes a backend compute in bf16, from the keys it declares (None: none)."""
+    if "mixed_precision" in keys:
+        return {"mixed_precision": "bf16"}
+    if "xla_fsdp_settings" in keys:
+        return {"xla_fsdp_settings": {"compute_dtype": "bfloat16"}}
+    return None
+
+
+def matrix_for(backend: Any, world_size: int = 2, dtype: str | None = None) -> list[Case]:
+    """The conformance cases for ``backend`` (object, registered name or ``module:Class``).
+
+    ``dtype`` None: the fp32 matrix plus bf16 cases for each low-precision key the backend declares
+    (what CI runs). ``"fp32"``: only the fp32 cases. ``"bf16"``: every fp32 case again with the
+    backend's low-precision key set (``mixed_precision: bf16``, else ``xla_fsdp_settings``
+    ``compute_dtype: bfloat16``); a ValueError if it declares neither.
+    """
+    if dtype not in (None, "fp32", "bf16"):
+        raise ValueError(f"dtype must be fp32 or bf16, got {dtype!r}")
+    keys = supported_keys(backend)
+    gb = PER_RANK_BATCH * world_size
+    base: dict[str, Any] = {"xla": True} if "xla" in keys else {}
+    fp32: list[Case] = []
+
+    def add(name: str, model: str, cfg: dict[str, Any], **kw: Any) -> None:
+        fp32.append(Case(name, model, {**base, **cfg}, global_batch=gb, **kw))
+
+    toggles = [(k, tag, default) for k, tag, default in _TOGGLES if k in keys]
+    for model in STRUCTURAL_MODELS:
+        for (wrap, wcfg), values in itertools.product(_wraps(model, keys), itertools.product(*[(d, not d) for _, _, d in toggles])):
+            cfg = dict(wcfg)
+            tags = [model, wrap]
+            for (key, tag, _), v in zip(toggles, values):
+                cfg[key] = v
+                tags.append(f"{tag}{int(v)}")
+            checkpointing = cfg.get("activation_checkpointing") or cfg.get("xla_fsdp_grad_ckpt")
+            if checkpointing and wrap == "nowrap":
+                continue  # activation checkpointing needs units to checkpoint; NO_WRAP has none
+            if cfg.get("activation_checkpointing") and cfg.get("xla_fsdp_grad_ckpt"):
+                continue  # two ways of asking for the same recomputation
+            add("-".join(tags), model, cfg)
+
+    # one-off knobs on the default structure
+    if "cpu_offload" in keys:
+        for model in ("mlp", "llama"):
+            add(f"{model}-cpu_offload", model, {"cpu_offload": True}, family="cpu_offload")
+    if "transformer_layer_cls_to_wrap" in keys:
+        for model in ("llama", "gpt2"):
+            add(f"{model}-layer_cls", model, {"transformer_layer_cls_to_wrap": [_LAYER_CLS[model]]}, family="layer_cls")
+    if "state_dict_type" in keys:
+        add("llama-sharded_state_dict", "llama", {"state_dict_type": "SHARDED_STATE_DICT"}, family="checkpoint")
+    if "cpu_ram_efficient_loading" in keys:
+        add("llama-cpu_ram_efficient_loading", "llama", {"cpu_ram_efficient_loading": True}, family="checkpoint")
+    if "timeout" in keys:
+        add("mlp-timeout", "mlp", {"timeout": 600}, family="timeout")
+
+    # features every backend must get right, whatever keys it declares
+    for model, pats in _FROZEN.items():
+        add(f"frozen-{model}", model, {}, frozen=pats, family="frozen")
+    add("buffers-mlp", "mlp_buffers", {}, family="buffers")
+    add("uneven-mlp", "mlp_uneven", {}, family="uneven")
+    if "auto_wrap_policy" in keys:
+        add("uneven-mlp-nowrap", "mlp_uneven", {"auto_wrap_policy": "NO_WRAP"}, family="uneven")
+    add("grad_accum-mlp", "mlp", {}, grad_accum=2, family="grad_accum")
+    add("grad_accum-llama", "llama", {}, grad_accum=2, family="grad_accum")
+    add("lr_schedule-mlp", "mlp", {}, lr_schedule="warmup_cosine", family="lr_schedule")
+    add("lr_schedule-gpt2", "gpt2", {}, lr_schedule="warmup_cosine", family="lr_schedule")
+
+    knob = low_precision_knob(keys)
+    if dtype == "fp32":
+        return fp32
+    if dtype == "bf16":
+        if knob is None:
+            raise ValueError(
+                "--dtype bf16: the backend declares neither 'mixed_precision' nor 'xla_fsdp_settings' in its "
+                f"supported_keys ({', '.join(sorted(keys)) or 'none'}), so it has no way to compute in bf16."
+            )
+        return [_low_precision(c, knob, f"{c.name}-bf16") for c in fp32]
+    out = list(fp32)
+    if "mixed_precision" in keys:
+        for model in STRUCTURAL_MODELS:
+            out.append(_low_precision(Case(f"{model}-mp-bf16", model, dict(base), global_batch=gb), {"mixed_precision": "bf16"}))
+        out.append(_low_precision(Case("llama-mp-bf16-reduce-fp32", "llama", dict(base), global_batch=gb),
+                                  {"mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}))
+        out.append(_low_precision(Case("frozen-llama-mp-bf16", "llama", dict(base), global_batch=gb, frozen=_FROZEN["llama"]),
+                                  {"mixed_precision": "bf16"}))
+    if "xla_fsdp_settings" in keys:
+        for model in STRUCTURAL_MODELS:
+            out.append(_low_precision(Case(f"{model}-xla-bf16", model, dict(base), global_batch=gb),
+                                      {"xla_fsdp_settings": {"compute_dtype": "bfloat16"}}))
+    return out
+
+
+def _low_precision(case: Case, knob: dict[str, Any], name: str | None = None) -> Case:
+    family = "mixed_precision" if "mixed_precision" in knob else "xla_compute_dtype"
+    return replace(case, name=name or case.name, config={**case.config, **knob}, dtype="bf16", lr=LOW_PRECISION_LR, family=family)
+
+
+def fsdp2_matrix(world_size: int = 2) -> list[Case]:
+    """The FSDP2 backend's matrix (see :func:`matrix_for`)."""
+    return matrix_for("fsdp2", world_size)
+
+
+def covered_keys(cases: list[Case]) -> dict[str, list[str]]:
+    """Config key -> names of the cases that set it to a non-default value."""
+    from shardcore import parse_config
+
+    out: dict[str, list[str]] = {}
+    for c in cases:
+        for k in parse_config(c.config).non_default_keys():
+            out.setdefault(k, []).append(c.name)
+    return out
 
 
 def select(cases: list[Case], pattern: str | None) -> list[Case]:
+    """Cases whose name matches any of the comma-separated glob patterns in ``pattern``."""
     if not pattern:
         return cases
     pats = [p.strip() for p in pattern.split(",") if p.strip()]

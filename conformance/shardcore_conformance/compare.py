@@ -8,20 +8,28 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Tolerance:
+    """``loss_atol + loss_rtol * |reference loss|`` per step; ``grad_norm_rtol`` relative per step;
+    ``param_atol`` on every final parameter and buffer entry; ``output_atol`` on the outputs (logits)
+    of a fresh single-device model loaded from the sharded run's checkpoint, against the trained
+    reference's. A checkpoint must hold exactly the sharded model's state: ``checkpoint_atol`` 0."""
+
     loss_atol: float
     loss_rtol: float
     grad_norm_rtol: float
     param_atol: float
+    output_atol: float
+    checkpoint_atol: float = 0.0
 
 
 # fp32: sharding changes only the order of floating-point reductions (reduce-scatter vs. one local
-# sum), which moves results by a few ulps per step (measured on 2 gloo ranks, 5 AdamW steps at lr
-# 1e-2: losses 4.8e-7, parameters 1.7e-6). bf16: the reference computes in bf16 too, but gradients
-# are summed in another order and rounded to 8 mantissa bits; with AdamW at lr 1e-3 the worst
-# parameter moved 2.1e-3 in 5 steps.
+# sum), which moves results by a few ulps per step. Measured over the whole FSDP2 matrix on 2 gloo
+# ranks (5 AdamW steps at lr 1e-2, eps 1e-6): losses 9.5e-7, gradient norms 8.9e-7 relative,
+# parameters 6.3e-6, checkpoint outputs (logits) 1.1e-5, all worst with gradient accumulation on
+# Llama. bf16: the reference computes in bf16 too, but gradients are summed in another order and
+# rounded to 8 mantissa bits; with AdamW at lr 1e-3: losses 2.3e-3, parameters 2.0e-3, outputs 2.2e-3.
 TOLERANCES: dict[str, Tolerance] = {
-    "fp32": Tolerance(loss_atol=1e-6, loss_rtol=1e-6, grad_norm_rtol=1e-5, param_atol=1e-5),
-    "bf16": Tolerance(loss_atol=1e-2, loss_rtol=1e-3, grad_norm_rtol=1e-2, param_atol=1e-2),
+    "fp32": Tolerance(loss_atol=1e-6, loss_rtol=1e-6, grad_norm_rtol=1e-5, param_atol=1e-5, output_atol=5e-5),
+    "bf16": Tolerance(loss_atol=1e-2, loss_rtol=1e-3, grad_norm_rtol=1e-2, param_atol=1e-2, output_atol=5e-2),
 }
 
 
@@ -33,60 +41,103 @@ class Verdict:
     max_loss_diff: float = math.nan
     max_grad_norm_rel_diff: float = math.nan
     max_param_diff: float = math.nan
+    max_output_diff: float = math.nan
+    checkpoint_param_diff: float = math.nan
+    checkpoint_method: str = ""
     tolerance: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
+def _fail(v: Verdict, reason: str) -> None:
+    v.ok = False
+    v.reasons.append(reason)
+
+
 def compare(case: str, ref: dict[str, Any], got: dict[str, Any], dtype: str = "fp32") -> Verdict:
+    """Per-step losses, gradient norms and learning rates; final parameters and buffers (frozen ones
+    exactly); and, where the sharded run reports one, its checkpoint round trip."""
     tol = TOLERANCES[dtype]
     v = Verdict(case, True, tolerance=asdict(tol))
     for side, r in (("reference", ref), ("sharded", got)):
         if "error" in r:
-            v.ok = False
-            v.reasons.append(f"{side} run failed: {r['error'].splitlines()[0]}")
+            _fail(v, f"{side} run failed: {r['error'].splitlines()[0]}")
     if not v.ok:
         return v
     rl, gl = ref["losses"], got["losses"]
     if len(rl) != len(gl):
-        v.ok = False
-        v.reasons.append(f"step count differs: reference {len(rl)}, sharded {len(gl)}")
+        _fail(v, f"step count differs: reference {len(rl)}, sharded {len(gl)}")
         return v
-    v.max_loss_diff = max(abs(a - b) for a, b in zip(rl, gl))
+    v.max_loss_diff = max((abs(a - b) for a, b in zip(rl, gl)), default=0.0)
     for i, (a, b) in enumerate(zip(rl, gl)):
         if not abs(a - b) <= tol.loss_atol + tol.loss_rtol * abs(a):
-            v.ok = False
-            v.reasons.append(f"loss differs at step {i}: reference {a:.9g}, sharded {b:.9g} (|diff| {abs(a - b):.3g})")
+            _fail(v, f"loss differs at step {i}: reference {a:.9g}, sharded {b:.9g} (|diff| {abs(a - b):.3g})")
             break
     rels = [abs(a - b) / max(abs(a), 1e-12) for a, b in zip(ref["grad_norms"], got["grad_norms"])]
     v.max_grad_norm_rel_diff = max(rels) if rels else 0.0
     for i, rel in enumerate(rels):
         if not rel <= tol.grad_norm_rtol:
-            v.ok = False
-            v.reasons.append(
+            _fail(
+                v,
                 f"gradient norm differs at step {i}: reference {ref['grad_norms'][i]:.9g}, sharded "
-                f"{got['grad_norms'][i]:.9g} (relative {rel:.3g}); are gradients averaged across ranks?"
+                f"{got['grad_norms'][i]:.9g} (relative {rel:.3g}); are gradients averaged across ranks?",
             )
+            break
+    for i, (a, b) in enumerate(zip(ref.get("lrs", []), got.get("lrs", []))):
+        if not math.isclose(a, b, rel_tol=1e-12, abs_tol=0.0):
+            _fail(v, f"learning rate differs at step {i}: reference {a:.9g}, sharded {b:.9g}; the schedule must see the same optimizer steps")
             break
     rp, gp = ref["params"], got["params"]
     missing, extra = sorted(set(rp) - set(gp)), sorted(set(gp) - set(rp))
     if missing or extra:
-        v.ok = False
-        v.reasons.append(f"final state dict keys differ: missing {missing[:5]}, extra {extra[:5]}")
+        _fail(v, f"final state dict keys differ: missing {missing[:5]}, extra {extra[:5]}")
         return v
     worst, worst_key = 0.0, None
     for k in rp:
         if rp[k].shape != gp[k].shape:
-            v.ok = False
-            v.reasons.append(f"parameter {k} has shape {tuple(gp[k].shape)}, reference {tuple(rp[k].shape)}")
+            _fail(v, f"parameter {k} has shape {tuple(gp[k].shape)}, reference {tuple(rp[k].shape)}")
             return v
-        d = float((rp[k].float() - gp[k].float()).abs().max()) if rp[k].numel() else 0.0
-        if not d <= worst:  # also catches NaN
+        d = _max_abs(rp[k], gp[k])
+        if not math.isnan(worst) and not d <= worst:  # a NaN, once seen, stays the worst
             worst, worst_key = d, k
     v.max_param_diff = worst
     if not worst <= tol.param_atol:
-        v.ok = False
-        v.reasons.append(f"final parameter {worst_key} differs by {worst:.3g} (tolerance {tol.param_atol:g})")
+        _fail(v, f"final parameter {worst_key} differs by {worst:.3g} (tolerance {tol.param_atol:g})")
+    for k in ref.get("frozen", []):
+        d = _max_abs(rp[k], gp[k])
+        if not d == 0.0:
+            _fail(v, f"frozen parameter {k} (requires_grad=False) changed: differs from the reference by {d:.3g}; it must not be updated")
+            break
+    ck = got.get("checkpoint")
+    if ck is not None:
+        _compare_checkpoint(v, tol, ref, ck)
     return v
 
+
+def _compare_checkpoint(v: Verdict, tol: Tolerance, ref: dict[str, Any], ck: dict[str, Any]) -> None:
+    v.checkpoint_method = ck.get("method", "")
+    diffs = [d for d in (ck.get("fresh_param_diff"), ck.get("reload_param_diff")) if d is not None]
+    v.checkpoint_param_diff = max(diffs) if diffs else math.nan
+    fresh, reload = ck.get("fresh_param_diff"), ck.get("reload_param_diff")
+    if fresh is not None and not fresh <= tol.checkpoint_atol:
+        _fail(v, f"checkpoint round trip ({v.checkpoint_method}): a fresh single-device model loaded from the FULL "
+                 f"checkpoint differs from the sharded model's full state dict by {fresh:.3g}")
+    if reload is not None and not reload <= tol.checkpoint_atol:
+        _fail(v, f"checkpoint round trip ({v.checkpoint_method}): the sharded model loaded from its own checkpoint "
+                 f"differs from its state before saving by {reload:.3g}")
+    if "probe" in ck and "probe" in ref:
+        a, b = ref["probe"], ck["probe"]
+        if tuple(a.shape) != tuple(b.shape):
+            _fail(v, f"checkpoint round trip: outputs have shape {tuple(b.shape)}, reference {tuple(a.shape)}")
+            return
+        v.max_output_diff = _max_abs(a, b)
+        if not v.max_output_diff <= tol.output_atol:
+            _fail(v, f"checkpoint round trip: outputs of the model loaded from the checkpoint differ from the "
+                     f"reference's by {v.max_output_diff:.3g} (tolerance {tol.output_atol:g})")
+
+
+def _max_abs(a, b) -> float:
+    if not a.numel():
+        return 0.0
+    return float((a.double() - b.double()).abs().max())

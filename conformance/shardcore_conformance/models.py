@@ -1,10 +1,17 @@
 """Small deterministic models and data for the conformance cases.
 
-Sizes are deliberately odd (13, 33, ...) so that parameter dim-0 sizes do not divide the world
-size and the uneven last shard is exercised.
+Sizes are deliberately odd (13, 33, 97, ...) so that parameter dim-0 sizes do not divide the world
+size and the uneven last shard is exercised; ``mlp_uneven`` goes further, with a head of one output
+whose weight and bias have a single row, so every rank but the first holds an empty shard.
+
+Every model is built from a seed on the CPU; the Hugging Face models are built from configs (no
+download), with dropout off so that the sharded run and the reference see the same function.
 """
 from __future__ import annotations
 
+import threading
+
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -39,6 +46,40 @@ class MLP(nn.Module):
         return self.head(x)
 
 
+class ScaledBlock(MLPBlock):
+    """An MLP block with a persistent buffer (a fixed per-feature scale) and a non-persistent one
+    (a shift), both inside a sharding unit: buffers are not sharded but must be moved, kept and
+    checkpointed (the persistent one) like the parameters around them."""
+
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__(d_in, d_out)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, d_out))
+        self.register_buffer("shift", torch.linspace(-0.1, 0.1, d_out), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.norm(self.fc(x)) * self.scale + self.shift)
+
+
+class BufferMLP(nn.Module):
+    """Buffers of three kinds: fixed float buffers inside units (:class:`ScaledBlock`) and an int64
+    counter in the root that every forward increments, so the final state dict records how many
+    forwards ran (activation checkpointing must not recompute the root)."""
+
+    _no_split_modules = ["ScaledBlock"]
+
+    def __init__(self, d_in: int = 13, hidden: int = 33, d_out: int = 5):
+        super().__init__()
+        self.blocks = nn.ModuleList([ScaledBlock(d_in, hidden), ScaledBlock(hidden, hidden)])
+        self.head = nn.Linear(hidden, d_out)
+        self.register_buffer("forwards", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.forwards += 1
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
 def tiny_llama_config(**overrides):
     from transformers import LlamaConfig
 
@@ -63,31 +104,111 @@ def build_llama(**overrides) -> nn.Module:
     return LlamaForCausalLM(tiny_llama_config(**overrides))
 
 
-MODELS: dict[str, Callable[[], nn.Module]] = {
-    "mlp": MLP,
-    "llama": build_llama,
+def tiny_gpt2_config(**overrides):
+    """GPT-2 with tied input and output embeddings (``lm_head.weight is transformer.wte.weight``),
+    learned position embeddings and fused QKV ``Conv1D`` layers; dropout off."""
+    from transformers import GPT2Config
+
+    kw = dict(
+        vocab_size=97,
+        n_positions=32,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        tie_word_embeddings=True,
+        attn_implementation="eager",
+    )
+    kw.update(overrides)
+    return GPT2Config(**kw)
+
+
+def build_gpt2(**overrides) -> nn.Module:
+    from transformers import GPT2LMHeadModel
+
+    return GPT2LMHeadModel(tiny_gpt2_config(**overrides))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """How to build one conformance model and feed it.
+
+    ``kind`` is ``"regression"`` (batches ``{"x", "y"}``, MSE loss) or ``"causal_lm"`` (batches
+    ``{"input_ids", "labels"}``, the model's own loss). ``layer_cls`` is the class that
+    TRANSFORMER_BASED_WRAP finds through ``_no_split_modules``; ``size_wrap_min_params`` is a
+    ``min_num_params`` that gives SIZE_BASED_WRAP a few units, or None where no threshold is valid
+    (tied embeddings: any unit that takes the input embedding shares it with the head outside).
+    """
+
+    build: Callable[[], nn.Module]
+    kind: str
+    d_in: int = 13
+    d_out: int = 5
+    vocab: int = 97
+    seq_len: int = 16
+    size_wrap_min_params: int | None = 500
+    tied: bool = False
+
+
+MODELS: dict[str, ModelSpec] = {
+    "mlp": ModelSpec(MLP, "regression"),
+    "mlp_uneven": ModelSpec(lambda: MLP(d_in=7, hidden=11, d_out=1), "regression", d_in=7, d_out=1),
+    "mlp_buffers": ModelSpec(BufferMLP, "regression"),
+    "llama": ModelSpec(build_llama, "causal_lm", size_wrap_min_params=2000),
+    "gpt2": ModelSpec(build_gpt2, "causal_lm", size_wrap_min_params=None, tied=True),
 }
 
 
+def spec(name: str) -> ModelSpec:
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise KeyError(f"no conformance model named {name!r}; known: {', '.join(MODELS)}") from None
+
+
+# Device threads of one process (xmp.spawn on CPU) share torch's global generator: without the lock
+# their initialisations interleave and each thread builds different weights.
+_BUILD_LOCK = threading.Lock()
+
+
 def build_model(name: str, seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    return MODELS[name]()
+    with _BUILD_LOCK:
+        torch.manual_seed(seed)
+        return spec(name).build()
 
 
 def make_batches(name: str, steps: int, global_batch: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    """``steps`` global batches of ``global_batch`` rows, the same on every rank and in the reference."""
+    s = spec(name)
     g = torch.Generator().manual_seed(seed + 1000)
     out = []
     for _ in range(steps):
-        if name == "mlp":
-            out.append({"x": torch.randn(global_batch, 13, generator=g), "y": torch.randn(global_batch, 5, generator=g)})
+        if s.kind == "regression":
+            out.append({"x": torch.randn(global_batch, s.d_in, generator=g), "y": torch.randn(global_batch, s.d_out, generator=g)})
         else:
-            ids = torch.randint(0, 97, (global_batch, 16), generator=g)
+            ids = torch.randint(0, s.vocab, (global_batch, s.seq_len), generator=g)
             out.append({"input_ids": ids, "labels": ids.clone()})
     return out
 
 
+def probe_batch(name: str, rows: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A fixed batch, disjoint from the training stream, on which a checkpoint's logits are compared."""
+    return make_batches(name, 1, rows, seed + 7919)[0]
+
+
+def forward_output(name: str, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The model's raw output (regression values or LM logits) as float, for checkpoint comparisons."""
+    if spec(name).kind == "regression":
+        return model(batch["x"]).float()
+    return model(input_ids=batch["input_ids"]).logits.float()
+
+
 def loss_fn(name: str, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    if name == "mlp":
+    if spec(name).kind == "regression":
         out = model(batch["x"])
         return F.mse_loss(out.float(), batch["y"].to(out.device).float())
     return model(**batch).loss.float()

@@ -3,16 +3,21 @@ from __future__ import annotations
 
 import json
 import logging
+import tempfile
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .cases import Case
-from .compare import TOLERANCES, Verdict, compare
+from .cases import Case, supported_keys
+from .compare import Verdict, compare
 from .launch import run_cases
+from .train import PROGRESS_ENV, REFERENCE_DEVICE_ENV, SCRATCH_ENV
 
 log = logging.getLogger(__name__)
+
+DEVICE_TYPES = ("cpu", "cuda", "xla")
 
 
 @dataclass
@@ -23,6 +28,9 @@ class SuiteResult:
     reference: dict[str, dict[str, Any]]
     sharded: dict[str, dict[str, Any]]
     seconds: float
+    cases: list[Case] = field(default_factory=list)
+    device_type: str | None = None
+    supported_keys: frozenset[str] = frozenset()
 
     @property
     def ok(self) -> bool:
@@ -32,6 +40,18 @@ class SuiteResult:
         return [v for v in self.verdicts if not v.ok]
 
 
+def device_env(device_type: str | None) -> dict[str, str]:
+    """Worker environment for a device type: ``cpu`` hides GPUs (FSDP2 then uses gloo), ``cuda``
+    runs the reference on the GPU too and makes cuBLAS deterministic, ``xla`` is the backend's own."""
+    if device_type is None or device_type == "xla":
+        return {}
+    if device_type == "cpu":
+        return {"CUDA_VISIBLE_DEVICES": ""}
+    if device_type == "cuda":
+        return {REFERENCE_DEVICE_ENV: "cuda", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    raise ValueError(f"device_type must be one of {', '.join(DEVICE_TYPES)}, got {device_type!r}")
+
+
 def run_suite(
     cases: list[Case],
     backend: str,
@@ -39,68 +59,74 @@ def run_suite(
     case_timeout: float = 300.0,
     env: dict[str, str] | None = None,
     report_dir: str | Path | None = None,
+    device_type: str | None = None,
+    plots: bool = True,
 ) -> SuiteResult:
-    """Run every case on the single-device reference and on ``backend`` with ``world_size`` ranks."""
+    """Run every case on the single-device reference and on ``backend`` with ``world_size`` ranks,
+    compare them, and (with ``report_dir``) write report.json, report.md and the loss plots there.
+    Progress (case k of n, elapsed seconds, verdicts) is logged at INFO."""
     t0 = time.time()
     n = len(cases)
-    counter = {"done": 0}
+    reference: dict[str, dict[str, Any]] = {}
+    verdicts: dict[str, Verdict] = {}
 
-    def progress(case: Case, result: dict[str, Any]) -> None:
-        counter["done"] += 1
-        status = "error" if "error" in result else "done"
-        log.info("[%d/%d] %s %s (%.0fs elapsed)", counter["done"], 2 * n, case.name, status, time.time() - t0)
+    def verdict(case: Case, result: dict[str, Any]) -> None:
+        if "error" in result:
+            log.info("%s %s ERROR: %s", backend, case.name, result["error"].splitlines()[0])
+            return
+        v = verdicts[case.name] = compare(case.name, reference[case.name], result, case.dtype)
+        if v.ok:
+            log.info("%s %s PASS (max diffs: loss %.2g, param %.2g)", backend, case.name, v.max_loss_diff, v.max_param_diff)
+        else:
+            log.info("%s %s FAIL: %s", backend, case.name, v.reasons[0])
 
-    reference = run_cases(cases, None, 1, case_timeout, env, progress)
-    sharded = run_cases(cases, backend, world_size, case_timeout, env, progress)
-    verdicts = [compare(c.name, reference[c.name], sharded[c.name], c.dtype) for c in cases]
-    result = SuiteResult(backend, world_size, verdicts, reference, sharded, time.time() - t0)
+    def reference_done(case: Case, result: dict[str, Any]) -> None:
+        if "error" in result:
+            log.info("reference %s ERROR: %s", case.name, result["error"].splitlines()[0])
+
+    with tempfile.TemporaryDirectory(prefix="shardcore-conformance-") as scratch:
+        progress = Path(scratch) / "progress.jsonl"
+        progress.touch()
+        run_env = {**device_env(device_type), **(env or {}), SCRATCH_ENV: scratch, PROGRESS_ENV: str(progress)}
+        stop = threading.Event()
+        follower = threading.Thread(target=_follow, args=(progress, 2 * n, t0, stop), daemon=True)
+        follower.start()
+        try:
+            reference.update(run_cases(cases, None, 1, case_timeout, run_env, reference_done))
+            sharded = run_cases(cases, backend, world_size, case_timeout, run_env, verdict)
+        finally:
+            stop.set()
+            follower.join()
+    ordered = [verdicts.get(c.name) or compare(c.name, reference[c.name], sharded[c.name], c.dtype) for c in cases]
+    result = SuiteResult(
+        backend, world_size, ordered, reference, sharded, time.time() - t0, list(cases), device_type, supported_keys(backend)
+    )
     if report_dir is not None:
-        write_report(result, cases, Path(report_dir))
+        from .report import write_report
+
+        write_report(result, cases, Path(report_dir), plots=plots)
     return result
 
 
-def write_report(result: SuiteResult, cases: list[Case], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    by_name = {c.name: c for c in cases}
-    rows = []
-    for v in result.verdicts:
-        ref, got = result.reference[v.case], result.sharded[v.case]
-        rows.append(
-            {
-                **v.to_dict(),
-                "config": by_name[v.case].config,
-                "model": by_name[v.case].model,
-                "dtype": by_name[v.case].dtype,
-                "reference_losses": ref.get("losses"),
-                "sharded_losses": got.get("losses"),
-                "reference_grad_norms": ref.get("grad_norms"),
-                "sharded_grad_norms": got.get("grad_norms"),
-            }
-        )
-    doc = {
-        "backend": result.backend,
-        "world_size": result.world_size,
-        "ok": result.ok,
-        "seconds": round(result.seconds, 1),
-        "tolerances": {k: vars(t) for k, t in TOLERANCES.items()},
-        "cases": rows,
-    }
-    (out / "report.json").write_text(json.dumps(doc, indent=2, default=float))
-    lines = [
-        f"# shardcore conformance: backend `{result.backend}`, world size {result.world_size}",
-        "",
-        f"{'PASS' if result.ok else 'FAIL'}: {sum(v.ok for v in result.verdicts)}/{len(result.verdicts)} cases "
-        f"in {result.seconds:.0f}s",
-        "",
-        "| case | verdict | max loss diff | max grad-norm rel diff | max param diff | notes |",
-        "|---|---|---|---|---|---|",
-    ]
-    for v in result.verdicts:
-        lines.append(
-            f"| {v.case} | {'pass' if v.ok else 'FAIL'} | {v.max_loss_diff:.3g} | {v.max_grad_norm_rel_diff:.3g} | "
-            f"{v.max_param_diff:.3g} | {'; '.join(v.reasons)} |"
-        )
-    lines += ["", "Tolerances:", ""]
-    for k, t in TOLERANCES.items():
-        lines.append(f"- {k}: {vars(t)}")
-    (out / "report.md").write_text("\n".join(lines) + "\n")
+
+def _follow(progress: Path, total: int, t0: float, stop: threading.Event) -> None:
+    """Log each case as the workers finish it: ``[k/total elapsed] side case (seconds)``."""
+    k, pos = 0, 0
+    width = len(str(total))
+    while True:
+        stopping = stop.wait(0.5)
+        with progress.open() as f:
+            f.seek(pos)
+            chunk = f.read()
+        # only whole lines; a line being written is read on the next pass
+        complete = chunk[: chunk.rfind("\n") + 1]
+        pos += len(complete.encode())
+        for line in complete.splitlines():
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            k += 1
+            log.info("[%*d/%d %5.0fs] %s %s trained (%.1fs)", width, k, total, time.time() - t0, d["side"], d["case"], d["seconds"])
+        if stopping:
+            return

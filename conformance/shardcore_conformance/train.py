@@ -4,16 +4,41 @@ The reference is plain single-device PyTorch; the sharded run is ``shardcore.sha
 backend under test. Both start from the same seed and see the same global batches: the sharded
 run's backend picks each rank's part of the batch (``local_batch``) and reduces scalars
 (``all_reduce_sum``), the reference uses :class:`LocalRuntime`, which does neither.
+
+After training, the sharded run's FULL checkpoint goes round trip: through ``shardcore.save`` /
+``shardcore.load`` where they exist (and back into the sharded model), else as the backend's
+``full_state_dict`` written to a safetensors file; either way it is loaded into a fresh
+single-device model, whose outputs on a probe batch are compared with the reference's.
 """
 from __future__ import annotations
 
+import copy
+import fnmatch
+import json
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from .cases import Case
-from .models import build_model, loss_fn, make_batches
+from .models import build_model, forward_output, loss_fn, make_batches, probe_batch
+
+#: environment variables the suite sets for its workers
+REFERENCE_DEVICE_ENV = "SHARDCORE_CONFORMANCE_REFERENCE_DEVICE"  # where the reference runs (default cpu)
+SCRATCH_ENV = "SHARDCORE_CONFORMANCE_SCRATCH"  # a directory every rank sees, for checkpoints
+PROGRESS_ENV = "SHARDCORE_CONFORMANCE_PROGRESS"  # a file rank 0 appends a line to after each case
+
+#: AdamW's eps. A gradient entry that is zero in exact arithmetic (GPT-2's key bias: softmax is
+#: shift-invariant) is rounding noise of ~1e-10 whose value depends on the reduction order; Adam
+#: divides it by sqrt(v) + eps, so with the default 1e-8 that noise becomes parameter steps of ~1e-4
+#: that differ between any two correct implementations. 1e-6 keeps them ~1e-6 and leaves real
+#: gradients (>= 1e-4 here) unaffected.
+ADAM_EPS = 1e-6
 
 
 class LocalRuntime:
@@ -21,8 +46,11 @@ class LocalRuntime:
 
     world_size = 1
 
+    def __init__(self, device: str | torch.device | None = None):
+        self.device = torch.device(device or os.environ.get(REFERENCE_DEVICE_ENV, "cpu"))
+
     def local_batch(self, batch):
-        return batch
+        return {k: v.to(self.device) for k, v in batch.items()}
 
     def all_reduce_sum(self, t):
         return t
@@ -47,15 +75,54 @@ def local_grad_sq_sum(model: nn.Module) -> torch.Tensor:
     return total
 
 
+def global_grad_sq_sum(runtime: Any, model: nn.Module, device: Any) -> torch.Tensor:
+    """Sum of squared gradient entries over the whole model. A backend whose ranks do not hold
+    disjoint shards (replication, hybrid sharding) says so by defining ``grad_sq_sum(model)``, a
+    collective returning the global sum; otherwise each rank's own entries are summed over ranks."""
+    own = getattr(runtime, "grad_sq_sum", None)
+    if own is not None:
+        return own(model)
+    return runtime.all_reduce_sum(local_grad_sq_sum(model).to(device))
+
+
+def lr_factor(schedule: str, step: int, steps: int) -> float:
+    """Multiplier of the base lr at ``step`` (0-based): ``warmup_cosine`` warms up linearly over
+    the first 2 steps, then decays along a half cosine to 0 at ``steps``."""
+    if schedule == "constant":
+        return 1.0
+    warmup = 2
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+
+def freeze(model: nn.Module, patterns: tuple[str, ...]) -> list[str]:
+    """``requires_grad=False`` on every parameter whose name matches a pattern; the frozen names."""
+    if not patterns:
+        return []
+    names = [n for n, p in model.named_parameters() if any(fnmatch.fnmatch(n, pat) for pat in patterns)]
+    unmatched = [pat for pat in patterns if not any(fnmatch.fnmatch(n, pat) for n in names)]
+    if unmatched:
+        raise ValueError(f"frozen patterns {unmatched} match no parameter of {type(model).__name__}")
+    params = dict(model.named_parameters())
+    for n in names:
+        params[n].requires_grad_(False)
+    return names
+
+
 def run_case(case: Case, backend: Any | None) -> dict[str, Any]:
-    """Train ``case`` and return per-step losses, gradient norms and the final full parameters.
+    """Train ``case`` and return per-step losses, gradient norms, learning rates, the final full
+    parameters and buffers, and (sharded) the checkpoint round trip or (reference) probe outputs.
 
     ``backend`` None runs the single-device reference; otherwise the backend name (or
     ``module:Class``) given to ``shardcore.shard``.
     """
+    t0 = time.time()
     model = build_model(case.model, case.seed)
+    frozen = freeze(model, case.frozen)
     if backend is None:
         runtime: Any = LocalRuntime()
+        model.to(runtime.device)
         world_size = 1
     else:
         import shardcore
@@ -63,52 +130,179 @@ def run_case(case: Case, backend: Any | None) -> dict[str, Any]:
         model = shardcore.shard(model, case.config, backend=backend)
         runtime = shardcore.handle(model).backend
         world_size = runtime.world().size
-    opt = torch.optim.AdamW(model.parameters(), lr=case.lr, weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=case.lr, weight_decay=0.01, eps=ADAM_EPS)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(case.lr_schedule, s, case.steps))
     compute_dtype = _reference_compute_dtype(case) if backend is None else None
-    losses, grad_norms = [], []
+    step_end = getattr(runtime, "step_end", None)  # lazy-tensor backends cut the step's graph here
+    losses, grad_norms, lrs = [], [], []
     for batch in make_batches(case.model, case.steps, case.global_batch, case.seed):
-        if compute_dtype is None:
-            loss = loss_fn(case.model, model, runtime.local_batch(batch))
-            loss.backward()
-        else:
-            loss = _low_precision_step(case, model, batch, compute_dtype)
-        gsq = runtime.all_reduce_sum(local_grad_sq_sum(model).to(loss.device))
+        step_loss = None
+        for micro in _micro_batches(batch, case.grad_accum):
+            if compute_dtype is None:
+                loss = loss_fn(case.model, model, runtime.local_batch(micro))
+                (loss / case.grad_accum).backward()
+            else:
+                loss = _low_precision_step(case, model, runtime.local_batch(micro), compute_dtype)
+            step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
+        gsq = global_grad_sq_sum(runtime, model, step_loss.device)
+        lrs.append(float(opt.param_groups[0]["lr"]))
         opt.step()
+        sched.step()
         opt.zero_grad(set_to_none=True)
-        step_end = getattr(runtime, "step_end", None)  # lazy-tensor backends cut the step's graph here
         if step_end is not None:
             step_end()
-        losses.append(float(runtime.all_reduce_sum(loss.detach()) / world_size))
+        losses.append(float(runtime.all_reduce_sum(step_loss / case.grad_accum) / world_size))
         grad_norms.append(float(gsq.sqrt()))
     state = runtime.full_state_dict(model)
-    return {
-        "losses": losses,
-        "grad_norms": grad_norms,
-        "params": {k: v.detach().float().cpu() for k, v in state.items()},
-    }
+    params = {k: v.detach().float().cpu() for k, v in state.items()}
+    out: dict[str, Any] = {"losses": losses, "grad_norms": grad_norms, "lrs": lrs, "params": params, "frozen": frozen}
+    probe = probe_batch(case.model, seed=case.seed)
+    if backend is None:
+        with torch.no_grad():
+            out["probe"] = forward_output(case.model, model, runtime.local_batch(probe)).cpu()
+    else:
+        out["checkpoint"] = checkpoint_round_trip(case, model, runtime, state, probe, step_end)
+    _note_progress(case, backend, runtime, time.time() - t0)
+    return out
+
+
+def _note_progress(case: Case, backend: Any, runtime: Any, seconds: float) -> None:
+    """One JSON line per finished case in the suite's progress file (rank 0), which the suite
+    follows while the workers run."""
+    path = os.environ.get(PROGRESS_ENV)
+    if not path or (backend is not None and runtime.world().rank != 0):
+        return
+    line = json.dumps({"side": "reference" if backend is None else str(backend), "case": case.name, "seconds": round(seconds, 2)})
+    with open(path, "a") as f:
+        f.write(line + "\n")
+
+
+def _micro_batches(batch: dict[str, torch.Tensor], n: int) -> list[dict[str, torch.Tensor]]:
+    if n == 1:
+        return [batch]
+    rows = next(iter(batch.values())).shape[0] // n
+    return [{k: v[i * rows : (i + 1) * rows] for k, v in batch.items()} for i in range(n)]
+
+
+def _scratch_dir(case: Case) -> Path:
+    """A directory every rank of this run sees: the suite's scratch directory (set for all workers),
+    else one named after this process group's port."""
+    root = os.environ.get(SCRATCH_ENV) or os.path.join(tempfile.gettempdir(), f"shardcore-conformance-{os.environ.get('MASTER_PORT', os.getpid())}")
+    return Path(root) / case.name
+
+
+def checkpoint_round_trip(case: Case, model: nn.Module, runtime: Any, state: dict[str, Any], probe, step_end=None) -> dict[str, Any]:
+    """Save the sharded model's FULL checkpoint, load it into a fresh single-device model (rank 0)
+    and report how far its state is from ``state`` (the sharded model's own full state dict) and
+    its outputs on ``probe``. With ``shardcore.save``/``load``, the checkpoint is also loaded back
+    into the sharded model after its parameters were zeroed, and compared again. Collective."""
+    import shardcore
+
+    rank = runtime.world().rank
+    scratch = _scratch_dir(case)
+    path = scratch / "checkpoint"
+    out: dict[str, Any] = {"reload_param_diff": None}
+    use_api = hasattr(shardcore, "save") and hasattr(shardcore, "load")
+    kind = shardcore.handle(model).config.state_dict_type
+    fresh_via_api = use_api and kind == "FULL_STATE_DICT"
+    if use_api:
+        shardcore.save(model, path)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        if step_end is not None:
+            step_end()
+        shardcore.load(model, path)
+        again = runtime.full_state_dict(model)
+        if rank == 0:
+            out["reload_param_diff"] = _max_diff(state, again)
+    out["method"] = (f"shardcore.save/load {kind} (reload into the sharded model); " if use_api else "") + (
+        "shardcore.load into a fresh single-device model" if fresh_via_api else "full_state_dict -> safetensors -> fresh single-device model"
+    )
+    if rank != 0:
+        return out
+    fresh = build_model(case.model, case.seed + 1)  # another seed: loading must overwrite every weight
+    if fresh_via_api:
+        shardcore.load(fresh, path)
+    else:
+        from safetensors.torch import load_file, save_file
+
+        scratch.mkdir(parents=True, exist_ok=True)
+        f = scratch / "full_state_dict.safetensors"
+        save_file({k: v.detach().cpu().contiguous().clone() for k, v in state.items()}, str(f))
+        fresh.load_state_dict(load_file(str(f)), strict=True)
+    out["fresh_param_diff"] = _max_diff(state, fresh.state_dict())
+    here = LocalRuntime()  # on the reference's device, so that outputs compare like with like
+    fresh.to(here.device)
+    with torch.no_grad():
+        out["probe"] = forward_output(case.model, fresh, here.local_batch(probe)).cpu()
+    return out
+
+
+def _max_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
+    """Largest absolute difference over the keys of ``a`` (inf if ``b`` lacks one or a shape differs)."""
+    worst = 0.0
+    for k, v in a.items():
+        w = b.get(k)
+        if w is None or tuple(w.shape) != tuple(v.shape):
+            return math.inf
+        if v.numel():
+            d = float((v.detach().cpu().double() - w.detach().cpu().double()).abs().max())
+            if not math.isnan(worst) and not d <= worst:  # a NaN, once seen, stays the worst
+                worst = d
+    return worst
 
 
 def _reference_compute_dtype(case: Case) -> torch.dtype | None:
-    """The parameter dtype a mixed-precision case computes in (None: full precision)."""
+    """The parameter dtype a mixed-precision case computes in (None: full precision): the
+    ``mixed_precision`` param dtype, or the XLA ``xla_fsdp_settings`` compute dtype."""
     from shardcore import parse_config
 
-    mp = parse_config(case.config).mixed_precision
-    if mp is None or mp.param_dtype is None:
-        return None
-    return getattr(torch, mp.param_dtype)
+    cfg = parse_config(case.config)
+    mp = cfg.mixed_precision
+    if mp is not None and mp.param_dtype is not None:
+        return getattr(torch, mp.param_dtype)
+    compute = dict(cfg.xla_fsdp_settings).get("compute_dtype")
+    if compute:
+        return getattr(torch, str(compute).removeprefix("torch."))
+    return None
 
 
 def _low_precision_step(case: Case, model: nn.Module, batch, dtype: torch.dtype) -> torch.Tensor:
     """Single-device mixed precision as FSDP2 does it: fp32 master parameters, forward and backward
-    on a copy cast to ``dtype``, gradients cast back to fp32 for the optimizer step."""
-    import copy
-
-    low = copy.deepcopy(model).to(dtype)
+    on a copy whose parameters are cast to ``dtype`` (buffers stay shared with the master, in their
+    own dtype), gradients cast back to fp32 and accumulated for the optimizer step."""
+    low = copy.deepcopy(model)
+    for (_, m_master), (_, m_low) in zip(model.named_modules(), low.named_modules()):
+        for name in list(m_low._buffers):
+            m_low._buffers[name] = m_master._buffers[name]  # e.g. a forward counter keeps counting
+        for name, p in m_low._parameters.items():
+            if p is not None and p.is_floating_point():
+                m_low._parameters[name] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+    _retie(model, low)
     # FSDP2's MixedPrecisionPolicy casts floating-point forward inputs too (cast_forward_inputs)
     batch = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in batch.items()}
     loss = loss_fn(case.model, low, batch)
-    loss.backward()
-    for p, q in zip(model.parameters(), low.parameters()):
+    (loss / case.grad_accum).backward()
+    low_params = dict(low.named_parameters())
+    for n, p in model.named_parameters():
+        q = low_params[n]
         if q.grad is not None:
-            p.grad = q.grad.float()
+            g = q.grad.float()
+            p.grad = g if p.grad is None else p.grad + g
     return loss
+
+
+def _retie(master: nn.Module, low: nn.Module) -> None:
+    """Parameters shared in ``master`` (tied embeddings) are shared in the low-precision copy too."""
+    first: dict[int, tuple[nn.Module, str]] = {}
+    low_mods = dict(low.named_modules(remove_duplicate=False))
+    for mname, mod in master.named_modules(remove_duplicate=False):
+        for pname, p in mod._parameters.items():
+            if p is None:
+                continue
+            if id(p) in first:
+                src_mod, src_name = first[id(p)]
+                low_mods[mname]._parameters[pname] = src_mod._parameters[src_name]
+            else:
+                first[id(p)] = (low_mods[mname], pname)

@@ -1,0 +1,269 @@
+"""The conformance suite as a vendor uses it: the case matrix per backend, the comparison, and the
+``shardcore-conformance`` command end to end (report files, broken backends, timeouts, and an
+out-of-tree backend package installed and run by its entry-point name).
+
+The full FSDP2 matrix runs once, in tests/test_fsdp2_multiprocess.py; the runs here use a few cases.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardcore
+from shardcore_conformance import TOLERANCES, compare, covered_keys, fsdp2_matrix, matrix_for
+from shardcore_conformance.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+CLI = str(BIN / "shardcore-conformance")
+
+
+class _Keys:
+    """A backend object for matrix tests: only its declared keys matter."""
+
+    def __init__(self, *keys):
+        self.supported_keys = frozenset(keys)
+
+
+XLA_KEYS = ("xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt", "xla_fsdp_settings", "auto_wrap_policy",
+            "transformer_layer_cls_to_wrap", "min_num_params")
+
+
+# ------------------------------------------------------------------------------ the case matrix
+
+
+def _check_matrix(cases, keys):
+    names = [c.name for c in cases]
+    assert len(names) == len(set(names)), "case names must be unique"
+    for c in cases:
+        cfg = shardcore.parse_config(c.config)  # every config is valid
+        extra = set(cfg.non_default_keys()) - set(keys)
+        assert not extra, f"{c.name} sets {extra}, which the backend does not declare"
+        assert c.global_batch % c.grad_accum == 0
+
+
+def test_fsdp2_matrix_makes_every_supported_key_a_dimension():
+    keys = shardcore.get_backend("fsdp2").supported_keys
+    cases = fsdp2_matrix()
+    _check_matrix(cases, keys)
+    assert set(covered_keys(cases)) == set(keys)
+    families = {c.family for c in cases}
+    assert {"mlp", "llama", "gpt2", "frozen", "buffers", "uneven", "grad_accum", "lr_schedule", "mixed_precision", "cpu_offload"} <= families
+    by_name = {c.name: c for c in cases}
+    assert by_name["grad_accum-llama"].grad_accum == 2
+    assert by_name["lr_schedule-gpt2"].lr_schedule == "warmup_cosine"
+    assert by_name["frozen-llama"].frozen
+    # tied GPT-2 never gets a size-based unit (it would hold the embedding shared with the head)
+    assert not any(n.startswith("gpt2-size") for n in by_name)
+    assert {c.dtype for c in cases} == {"fp32", "bf16"}
+
+
+def test_fewer_keys_give_fewer_cases():
+    full = fsdp2_matrix()
+    wrap_only = matrix_for("backends_for_tests:OnlyWrapBackend")
+    bare = matrix_for(_Keys())
+    _check_matrix(wrap_only, {"auto_wrap_policy", "transformer_layer_cls_to_wrap", "min_num_params"})
+    _check_matrix(bare, set())
+    assert len(bare) < len(wrap_only) < len(full)
+    assert all(c.config == {} for c in bare)
+    # the features every backend must get right are there even with no key at all
+    assert {c.family for c in bare} >= {"frozen", "buffers", "uneven", "grad_accum", "lr_schedule"}
+    with pytest.raises(ValueError, match="neither 'mixed_precision' nor 'xla_fsdp_settings'"):
+        matrix_for(_Keys(), dtype="bf16")
+
+
+def test_xla_matrix_from_xla_keys():
+    cases = matrix_for(_Keys(*XLA_KEYS), world_size=4)
+    _check_matrix(cases, XLA_KEYS)
+    assert all(c.config.get("xla") is True and c.global_batch == 16 for c in cases)
+    v2 = {c.config.get("xla_fsdp_v2") for c in cases if c.family == "llama"}
+    assert v2 == {True, False}
+    for c in cases:
+        if c.config.get("xla_fsdp_grad_ckpt"):
+            assert c.config.get("auto_wrap_policy") != "NO_WRAP", c.name
+    bf16 = [c for c in cases if c.dtype == "bf16"]
+    assert bf16 and all(c.config["xla_fsdp_settings"] == {"compute_dtype": "bfloat16"} for c in bf16)
+    assert not any("mixed_precision" in c.config for c in cases)
+    every = matrix_for(_Keys(*XLA_KEYS), dtype="bf16")
+    assert len(every) == len(matrix_for(_Keys(*XLA_KEYS), dtype="fp32"))
+    assert all(c.dtype == "bf16" and c.name.endswith("-bf16") for c in every)
+
+
+# ------------------------------------------------------------------------------ the comparison
+
+
+def _result(loss=1.0, w=0.5, frozen_w=2.0):
+    return {
+        "losses": [loss, loss * 0.9], "grad_norms": [3.0, 2.0], "lrs": [1e-2, 1e-2],
+        "params": {"w": torch.tensor([w]), "f": torch.tensor([frozen_w])}, "frozen": ["f"],
+        "probe": torch.tensor([[1.0, 2.0]]),
+    }
+
+
+def _sharded(**kw):
+    r = _result(**{k: kw.pop(k) for k in list(kw) if k in ("loss", "w", "frozen_w")})
+    del r["probe"]
+    r["checkpoint"] = {"method": "test", "fresh_param_diff": 0.0, "reload_param_diff": 0.0, "probe": torch.tensor([[1.0, 2.0]]), **kw}
+    return r
+
+
+def test_compare_passes_equal_runs_and_names_each_failure():
+    assert compare("c", _result(), _sharded()).ok
+    tol = TOLERANCES["fp32"]
+    cases = {
+        "frozen parameter f": _sharded(frozen_w=2.0 + 1e-6),  # within param_atol, but frozen must be exact
+        "checkpoint round trip (test): a fresh single-device model": _sharded(fresh_param_diff=1e-3),
+        "loaded from its own checkpoint": _sharded(reload_param_diff=1e-3),
+        "outputs of the model loaded from the checkpoint": _sharded(probe=torch.tensor([[1.0, 2.0 + 10 * tol.output_atol]])),
+        "final parameter w differs": _sharded(w=0.5 + 10 * tol.param_atol),
+        "loss differs at step 0": _sharded(loss=1.0 + 1e-3),
+    }
+    for expected, got in cases.items():
+        v = compare("c", _result(), got)
+        assert not v.ok and any(expected in r for r in v.reasons), (expected, v.reasons)
+    nan = _sharded(w=math.nan)
+    assert not compare("c", _result(), nan).ok
+    lr = _sharded()
+    lr["lrs"] = [1e-2, 5e-3]
+    assert any("learning rate differs at step 1" in r for r in compare("c", _result(), lr).reasons)
+
+
+# ------------------------------------------------------------------------------ the CLI, in process
+
+
+def test_cli_list_and_usage_errors(capsys):
+    assert cli_main(["--backend", "fsdp2", "--list", "--dtype", "fp32", "--cases", "frozen-*"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in out] == ["frozen-mlp", "frozen-llama", "frozen-gpt2"]
+    assert cli_main(["--backend", "fsdp2", "--list", "--json", "--cases", "uneven-mlp"]) == 0
+    (row,) = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert row["model"] == "mlp_uneven" and row["global_batch"] == 8
+    assert cli_main(["--backend", "no-such-backend", "--list"]) == 2
+    assert "no backend named 'no-such-backend'" in capsys.readouterr().err
+    assert cli_main(["--backend", "fsdp2", "--cases", "nothing-like-this", "--list"]) == 2
+    assert "no case matches" in capsys.readouterr().err
+    assert cli_main(["--backend", "backends_for_tests:UnavailableBackend", "--report", "unused"]) == 2
+    assert "not available here: its runtime library is not installed" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ the CLI, for real
+
+def _run(args, env_extra=None, timeout=420):
+    env = dict(os.environ, USE_TORCH_XLA="0")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    extra = dict(env_extra or {})
+    # tests/ for backends_for_tests; a vendor site directory first where given
+    paths = [extra.pop("PYTHONPATH", ""), str(ROOT / "tests"), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    env.update(extra)
+    return subprocess.run([CLI, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.multiprocess
+def test_cli_runs_cases_and_writes_the_report(tmp_path):
+    pattern = "mlp-transformer-reshard1-ac0,gpt2-transformer-reshard0-ac1,frozen-mlp,buffers-mlp,uneven-mlp,grad_accum-mlp,lr_schedule-mlp,mlp-mp-bf16"
+    out = _run(["--backend", "fsdp2", "--world-size", "2", "--cases", pattern, "--report", str(tmp_path), "--case-timeout", "180"])
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "PASS: 8/8 cases passed" in out.stdout
+    assert "[16/16" in out.stderr and "fsdp2 buffers-mlp PASS" in out.stderr  # progress and verdicts
+
+    doc = json.loads((tmp_path / "report.json").read_text())
+    assert doc["ok"] and doc["backend"] == "fsdp2" and doc["world_size"] == 2 and doc["passed"] == 8
+    assert doc["tolerances"]["fp32"]["param_atol"] == TOLERANCES["fp32"].param_atol
+    rows = {r["case"]: r for r in doc["cases"]}
+    assert set(rows) == set(pattern.split(","))
+    for name, r in rows.items():
+        tol = TOLERANCES[r["dtype"]]
+        assert r["ok"] and len(r["sharded_losses"]) == len(r["reference_losses"]) == 5, name
+        assert 0 <= r["max_param_diff"] <= tol.param_atol and 0 <= r["max_output_diff"] <= tol.output_atol, name
+        assert r["checkpoint_param_diff"] == 0.0 and r["checkpoint_method"], name
+        assert r["sharded_losses"][0] != r["sharded_losses"][-1], name  # it trained
+    assert rows["frozen-mlp"]["frozen_params"] == ["blocks.0.fc.weight", "blocks.0.fc.bias", "blocks.0.norm.weight", "blocks.0.norm.bias", "head.bias"]
+    lrs = rows["lr_schedule-mlp"]["lrs"]
+    assert lrs[0] < lrs[1] and lrs[-1] < lrs[2]  # warm-up, then decay
+    assert doc["families"]["frozen"]["passed"] == 1
+
+    md = (tmp_path / "report.md").read_text()
+    assert "**PASS**: 8/8" in md and "| frozen-mlp | fp32 | pass |" in md and "| bf16 |" in md
+    pngs = sorted((tmp_path / "plots").glob("*.png"))
+    assert {p.name for p in pngs} >= {"loss-mlp.png", "loss-frozen.png", "loss-mixed_precision.png"}
+    assert sorted(doc["plots"]) == [str(p.relative_to(tmp_path)) for p in pngs]
+    for p in pngs:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+        assert f"]({p.relative_to(tmp_path).as_posix()})" in md
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "backend, expected",
+    [
+        ("shardcore_conformance.broken:SumGradsBackend", "gradient norm differs at step 0"),
+        ("shardcore_conformance.broken:WrongSliceBackend", "loss differs at step 0"),
+    ],
+)
+def test_cli_catches_broken_backends(tmp_path, backend, expected):
+    out = _run(["--backend", backend, "--cases", "grad_accum-llama", "--report", str(tmp_path), "--no-plots"])
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    (line,) = [x for x in out.stdout.splitlines() if x.startswith("FAIL grad_accum-llama: ")]
+    assert expected in line, line
+    if "SumGrads" in backend:
+        assert "are gradients averaged across ranks?" in line
+    assert "FAIL: 0/1 cases passed" in out.stdout
+    doc = json.loads((tmp_path / "report.json").read_text())
+    assert not doc["ok"] and any(expected in r for r in doc["cases"][0]["reasons"])
+    assert "## Failures" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.multiprocess
+def test_cli_case_timeout_kills_and_fails(tmp_path):
+    out = _run(["--backend", "fsdp2", "--cases", "mlp-transformer-reshard1-ac0", "--case-timeout", "0.5",
+                "--report", str(tmp_path), "--no-plots"], timeout=120)
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "did not finish within 0.5s (timeout)" in out.stdout
+
+
+@pytest.fixture(scope="module")
+def vendor_site(tmp_path_factory):
+    """examples/vendor_backend pip-installed into a temporary directory (put on PYTHONPATH), so its
+    entry point is found without touching the shared environment. From a copy, so that the build
+    leaves nothing in the source tree."""
+    tmp = tmp_path_factory.mktemp("vendor")
+    src, site = tmp / "src", tmp / "site"
+    shutil.copytree(ROOT / "examples" / "vendor_backend", src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", "--target", str(site), str(src)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert (site / "shardcore_replicate_example").is_dir()
+    return site
+
+
+@pytest.mark.multiprocess
+def test_vendor_backend_is_found_by_name_and_passes(vendor_site, tmp_path):
+    env = {"PYTHONPATH": str(vendor_site)}
+    listed = _run(["--backend", "replicate-example", "--list"], env_extra=env, timeout=120)
+    assert listed.returncode == 0, listed.stderr[-3000:]
+    names = [line.split()[0] for line in listed.stdout.splitlines()]
+    # it declares only `timeout`: no wrap/reshard/offload/precision dimensions
+    assert len(names) < len(fsdp2_matrix()) and "mlp-transformer" in names and "mlp-timeout" in names
+    assert not any("nowrap" in n or "cpu_offload" in n or "bf16" in n for n in names)
+    bf16 = _run(["--backend", "replicate-example", "--dtype", "bf16", "--list"], env_extra=env, timeout=120)
+    assert bf16.returncode == 2 and "no way to compute in bf16" in bf16.stderr
+
+    out = _run(["--backend", "replicate-example", "--world-size", "2", "--cases", "gpt2-transformer,frozen-llama,buffers-mlp,grad_accum-mlp",
+                "--report", str(tmp_path), "--no-plots"], env_extra=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "PASS: 4/4 cases passed" in out.stdout
+    doc = json.loads((tmp_path / "report.json").read_text())
+    assert doc["supported_keys"] == ["timeout"]
+    assert all(r["checkpoint_param_diff"] == 0.0 for r in doc["cases"])

@@ -67,11 +67,16 @@ def machine() -> dict[str, Any]:
         out["gpu"] = torch.cuda.get_device_name(0)
         out["gpus"] = torch.cuda.device_count()
         out["cuda"] = torch.version.cuda
-    try:
-        import transformers
+    from importlib import metadata
 
-        out["transformers"] = transformers.__version__
-    except ImportError:  # pragma: no cover
+    for dist in ("transformers", "torch_xla"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    try:
+        out["load_average_1_5_15min"] = list(os.getloadavg())  # other jobs on the machine: noise
+    except OSError:  # pragma: no cover
         pass
     return out
 

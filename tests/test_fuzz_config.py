@@ -127,7 +127,7 @@ shard_configs = st.dictionaries(
 )
 
 
-@settings(max_examples=60, deadline=10_000, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=10_000, suppress_health_check=[HealthCheck.too_slow])
 @given(shard_configs)
 @example({"backend": "os:path"})
 @example({"backend": "sys:"})

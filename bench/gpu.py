@@ -41,7 +41,7 @@ def throughput_rank(rank: int, world_size: int, size: str, steps: int, warmup: i
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     model = shardcore.shard(build_llama(size).to(device), THROUGHPUT_CONFIG)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     times = []
     for i in range(warmup + steps):
         data = batch(size, i, rank, device)

@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 PYTHON ?= python3
 # Re-install when a requirement or a package definition changes.
 STAMP  := $(VENV)/.shardcore-installed
-DEPS   := requirements.txt pyproject.toml backends/fsdp2/pyproject.toml conformance/pyproject.toml
+DEPS   := requirements.txt pyproject.toml backends/fsdp2/pyproject.toml backends/xla/pyproject.toml conformance/pyproject.toml
 
 .PHONY: setup demo test conformance clean
 
@@ -13,7 +13,7 @@ setup: $(STAMP)
 $(STAMP): $(DEPS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -r requirements.txt
-	$(PY) -m pip install --no-deps -e . -e backends/fsdp2 -e conformance
+	$(PY) -m pip install --no-deps -e . -e backends/fsdp2 -e backends/xla -e conformance
 	touch $@
 
 demo: setup

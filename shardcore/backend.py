@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, Protocol, runtime_checkable
 
@@ -90,6 +90,25 @@ class Backend(Protocol):
         """Read a directory written by :meth:`save_sharded_state_dict`, possibly by a run of another
         world size, into ``model`` (and ``optimizer``). Collective."""
         ...
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """How a backend wants its ranks started. A backend may define
+    ``launch_spec(config: ShardConfig, world_size: int) -> LaunchSpec``; without it every rank is its
+    own OS process with the torch.distributed environment (torchrun-style).
+
+    ``processes`` 1 with ``world_size`` > 1 means one process serves all devices: either one
+    controller drives them (SPMD), or, with ``per_device`` true, the backend's ``run_on_devices(fn)``
+    calls ``fn(rank)`` once per device (threads or child processes, e.g. ``xmp.spawn``) and returns
+    when all have finished. Cases whose ``group`` differs never share a process (for settings that
+    are global to a process, such as XLA's SPMD mode).
+    """
+
+    processes: int
+    env: dict[str, str] = field(default_factory=dict)
+    group: str = ""
+    per_device: bool = False
 
 
 @dataclass(frozen=True)

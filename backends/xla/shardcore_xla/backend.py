@@ -1,0 +1,604 @@
+"""XLA backend: what ``TrainingArguments(fsdp_config={"xla": True, ...})`` does, driven by a WrapPlan.
+
+* ``xla_fsdp_v2: false`` (default): ``XlaFullyShardedDataParallel`` on every plan unit, then on the
+  root, with ``xla_fsdp_settings`` as its keyword arguments (``compute_dtype``/``buffer_dtype`` names
+  become torch dtypes, as the Trainer converts them). One device per process or thread
+  (``xmp.spawn`` / ``torch_xla.launch``).
+* ``xla_fsdp_v2: true``: SPMD ``SpmdFullyShardedDataParallel`` over a mesh of every device with axes
+  ``("fsdp", "model")``; one process drives all devices, inputs are sharded along the batch on the
+  ``fsdp`` axis, and Hugging Face outputs are sharded the way the Trainer's ``shard_output`` does.
+* ``xla_fsdp_grad_ckpt: true``: torch_xla's ``checkpoint_module`` on each unit before wrapping.
+
+The wrapping decision is the plan's: torch_xla's own auto-wrap machinery is handed a policy that says
+yes exactly to the plan's unit modules.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+import logging
+import math
+import os
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from shardcore.backend import LaunchSpec, World
+from shardcore.config import ShardConfig, _dtype_name
+from shardcore.errors import BackendUnavailableError, ShardConfigError, ShardcoreError, UnknownKeyError
+from shardcore.plan import WrapPlan
+
+log = logging.getLogger(__name__)
+
+# Set by shardcore from the plan, never by the user: accepting them would let a setting re-decide
+# the wrapping behind the plan's back.
+_PLAN_OWNED = {"auto_wrap_policy", "auto_wrapper_callable"}
+# Callables cannot come from a JSON/YAML config.
+_NOT_FROM_CONFIG = {"param_init_fn"}
+_DTYPE_SETTINGS = {"compute_dtype", "buffer_dtype"}
+
+
+class XLABackend:
+    name = "xla"
+    install_hint = "pip install torch==2.9.0 torch_xla==2.9.0 && pip install -e backends/xla"
+    supported_keys = frozenset(
+        {
+            "auto_wrap_policy",
+            "transformer_layer_cls_to_wrap",
+            "min_num_params",
+            "reshard_after_forward",
+            "xla",
+            "xla_fsdp_v2",
+            "xla_fsdp_settings",
+            "xla_fsdp_grad_ckpt",
+        }
+    )
+
+    def __init__(self) -> None:
+        self._spmd: bool | None = None
+        self._mesh = None
+
+    # -- protocol -------------------------------------------------------------------------------
+    def is_available(self) -> tuple[bool, str]:
+        if importlib.util.find_spec("torch_xla") is None:
+            return False, "torch_xla is not installed"
+        return True, f"torch_xla (PJRT_DEVICE={os.environ.get('PJRT_DEVICE', 'auto')})"
+
+    def apply(self, model: nn.Module, plan: WrapPlan, config: ShardConfig) -> nn.Module:
+        spmd = config.xla_fsdp_v2
+        if self._spmd is not None and self._spmd != spmd:
+            raise ShardConfigError(
+                "xla_fsdp_v2",
+                f"is {spmd} but this process already sharded a model with xla_fsdp_v2={self._spmd}; SPMD "
+                "mode is global to a process. Use one mode per process.",
+            )
+        if spmd:
+            kwargs = spmd_kwargs(config)
+            self._spmd = True
+            return self._apply_spmd(model, plan, config, kwargs)
+        kwargs = fsdp_kwargs(config)
+        self._spmd = False
+        return self._apply_fsdp(model, plan, config, kwargs)
+
+    def world(self) -> World:
+        import torch_xla
+        import torch_xla.runtime as xr
+
+        if self._spmd:
+            # one controller drives every device: a single rank whose values are already global
+            return World(0, 1, torch_xla.device())
+        return World(xr.global_ordinal(), xr.world_size(), torch_xla.device())
+
+    def barrier(self) -> None:
+        import torch_xla.core.xla_model as xm
+
+        if not self._spmd:
+            xm.rendezvous("shardcore.barrier")
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks. Under SPMD a value is already global, so this is the identity."""
+        import torch_xla.core.xla_model as xm
+        import torch_xla.runtime as xr
+
+        if self._spmd or xr.world_size() == 1:
+            return tensor
+        return xm.all_reduce(xm.REDUCE_SUM, tensor)
+
+    def local_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What this rank feeds its model from a global batch: its slice (XLA FSDP), or the whole
+        batch sharded along dim 0 on the mesh's ``fsdp`` axis (SPMD)."""
+        import torch_xla
+
+        import torch_xla.runtime as xr
+
+        w = self.world()
+        parts = xr.global_runtime_device_count() if self._spmd else w.size
+        out = {}
+        for k, v in batch.items():
+            if v.shape[0] % parts:
+                raise ShardcoreError(
+                    f"shardcore xla: batch field {k!r} has {v.shape[0]} rows, not divisible by {parts} "
+                    "devices. Use a global batch size that is a multiple of the device count."
+                )
+            if self._spmd:
+                import torch_xla.distributed.spmd as xs
+
+                t = v.to(torch_xla.device())
+                xs.mark_sharding(t, self._mesh, ("fsdp",) + (None,) * (t.dim() - 1))
+            else:
+                n = v.shape[0] // w.size
+                t = v[w.rank * n : (w.rank + 1) * n].to(torch_xla.device())
+            out[k] = t
+        return out
+
+    def step_end(self) -> None:
+        """Cut and run the step's lazy graph (``torch_xla.sync()``); call it after ``optimizer.step()``."""
+        import torch_xla
+
+        from . import cpu_collectives
+
+        torch_xla.sync()
+        cpu_collectives.reset()
+
+    def compile_count(self) -> int:
+        """XLA compilations so far in this process (torch_xla's ``UncachedCompile`` counter)."""
+        import torch_xla.debug.metrics as met
+
+        return int(met.counter_value("UncachedCompile") or 0)
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """One unsharded state dict with the original parameter names, on CPU (every rank gets it).
+
+        The same format the FSDP2 backend writes, so a checkpoint moves between backends."""
+        if self._spmd:
+            sd = model.state_dict()
+            # SPMD tensors are logically global: .cpu() gathers them
+            return {_strip_wrappers(k): v.detach().cpu().clone() for k, v in sd.items()}
+        return _consolidate_fsdp(model)
+
+    # -- checkpoints: the same FULL format as every backend (one unsharded state dict, original names)
+    def broadcast_object(self, obj: Any) -> Any:
+        import pickle
+
+        import torch_xla.core.xla_model as xm
+        import torch_xla.runtime as xr
+
+        if self._spmd or xr.world_size() == 1:
+            return obj
+        payload = pickle.dumps(obj) if xr.global_ordinal() == 0 else b""
+        return pickle.loads(xm.rendezvous("shardcore.broadcast_object", payload)[0])
+
+    def full_state_dict_shapes(self, model: nn.Module) -> dict[str, tuple[int, ...]]:
+        """The keys and shapes :meth:`full_state_dict` returns, without gathering anything."""
+        shapes = {n: sh for pieces in _param_layout(model).values() for n, sh in pieces}
+        for prefix, mod in model.named_modules():
+            for name, b in mod.named_buffers(recurse=False):
+                if b is not None and name not in mod._non_persistent_buffers_set:
+                    shapes[_strip_wrappers(f"{prefix}.{name}" if prefix else name)] = tuple(b.shape)
+        return shapes
+
+    def load_full_state_dict(self, model: nn.Module, state_dict: dict[str, Any]) -> None:
+        """Put an unsharded state dict (read on rank 0 only) into the sharded model, each rank taking
+        its shard the way the wrapper laid it out."""
+        state_dict = self._broadcast_tensors(state_dict)
+        if self._spmd:
+            _load_spmd(model, state_dict)
+        else:
+            _load_fsdp(model, state_dict)
+        self.step_end()
+
+    def full_optimizer_state_dict(self, model: nn.Module, optimizer: Any) -> dict[str, Any]:
+        """``optimizer``'s state unsharded and keyed by parameter name (the layout of
+        ``get_optimizer_state_dict(full_state_dict=True)``), on CPU."""
+        layout = _param_layout(model)
+        state: dict[str, Any] = {}
+        for p, st in optimizer.state.items():
+            pieces = layout[id(p)]
+            per_piece: list[dict[str, Any]] = [{} for _ in pieces]
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    for d, t in zip(per_piece, self._unshard(p, v, pieces)):
+                        d[k] = t
+                else:
+                    for d in per_piece:
+                        d[k] = v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
+            for (name, _), d in zip(pieces, per_piece):
+                state[name] = d
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [n for p in g["params"] for n, _ in layout[id(p)]]}
+            for g in optimizer.param_groups
+        ]
+        return {"state": state, "param_groups": groups}
+
+    def load_full_optimizer_state_dict(self, model: nn.Module, optimizer: Any, state: dict[str, Any]) -> None:
+        state = self.broadcast_object(state)
+        layout = _param_layout(model)
+        saved_state = state.get("state", {})
+        groups = state.get("param_groups", [])
+        if len(groups) != len(optimizer.param_groups):
+            raise ShardcoreError(
+                f"shardcore.load: the checkpoint's optimizer has {len(groups)} parameter groups, this one "
+                f"{len(optimizer.param_groups)}. Build the optimizer the way the saving run did."
+            )
+        new_state: dict[Any, dict[str, Any]] = {}
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                pieces = layout[id(p)]
+                if pieces[0][0] not in saved_state:
+                    continue
+                first = saved_state[pieces[0][0]]
+                st = {}
+                for k, v in first.items():
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:
+                        flat = torch.cat([saved_state[n][k].reshape(-1) for n, _ in pieces])
+                        st[k] = self._reshard(p, flat)
+                    else:
+                        st[k] = v.clone() if isinstance(v, torch.Tensor) else v
+                new_state[p] = st
+        for g, saved in zip(optimizer.param_groups, groups):
+            g.update({k: v for k, v in saved.items() if k != "params"})
+        optimizer.state.clear()
+        optimizer.state.update(new_state)
+        self.step_end()
+
+    def _unshard(self, p: torch.Tensor, v: torch.Tensor, pieces: list[tuple[str, tuple[int, ...]]]) -> list[torch.Tensor]:
+        """A tensor laid out like parameter ``p`` (its optimizer state) as unsharded CPU pieces."""
+        import torch_xla.core.xla_model as xm
+        import torch_xla.runtime as xr
+
+        if not self._spmd and xr.world_size() > 1:
+            v = xm.all_gather(v.detach(), dim=0)
+        flat = v.detach().cpu().reshape(-1)
+        out, at = [], 0
+        for _, shape in pieces:
+            n = math.prod(shape)
+            out.append(flat[at : at + n].view(shape).clone())
+            at += n
+        return out
+
+    def _reshard(self, p: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`_unshard`: CPU values laid out like parameter ``p``, on its device."""
+        import torch_xla.runtime as xr
+
+        if self._spmd:
+            return _like_spmd_param(p, flat.view(p.shape))
+        return _fsdp_shard(flat, p.numel(), xr.global_ordinal(), xr.world_size()).to(p.device, flat.dtype)
+
+    def _broadcast_tensors(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        import torch_xla.core.xla_model as xm
+        import torch_xla.runtime as xr
+
+        if self._spmd or xr.world_size() == 1:
+            return state_dict
+        meta = self.broadcast_object({k: (tuple(v.shape), v.dtype) for k, v in state_dict.items()})
+        out = {}
+        for k, (shape, dtype) in meta.items():
+            t = state_dict[k] if k in state_dict else torch.zeros(shape, dtype=dtype)
+            # only rank 0 contributes non-zeros, so a sum is a broadcast
+            out[k] = xm.all_reduce(xm.REDUCE_SUM, t.to(self.world().device)).cpu()
+        return out
+
+    # -- launching (used by shardcore-conformance and available to scripts) ----------------------
+    def launch_spec(self, config: ShardConfig, world_size: int):
+        env = {}
+        device = os.environ.get("PJRT_DEVICE", "CPU" if not _has_tpu() else "TPU")
+        env["PJRT_DEVICE"] = device
+        if device == "CPU":
+            env["CPU_NUM_DEVICES"] = str(world_size)
+            # the CPU collectives workaround (cpu_collectives.py) is reliable with the synchronous client
+            env["PJRT_CPU_ASYNC_CLIENT"] = "0"
+        if config.xla_fsdp_v2:
+            return LaunchSpec(processes=1, env=env, group="spmd")
+        return LaunchSpec(processes=1, env=env, group="fsdp", per_device=world_size > 1)
+
+    def run_on_devices(self, fn: Callable[[int], None]) -> None:
+        """Run ``fn(ordinal)`` once per device (``xmp.spawn``), or once when SPMD drives them all."""
+        import torch_xla.distributed.xla_multiprocessing as xmp
+
+        xmp.spawn(_call_with_ordinal, args=(fn,))
+
+    # -- the two modes ----------------------------------------------------------------------------
+    def _apply_fsdp(self, model: nn.Module, plan: WrapPlan, config: ShardConfig, kwargs: dict[str, Any]) -> nn.Module:
+        import torch_xla
+        from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
+        from torch_xla.distributed.fsdp import checkpoint_module
+
+        import torch_xla.runtime as xr
+
+        from . import cpu_collectives
+
+        if cpu_collectives.needed():
+            # Measured limits of the CPU workaround; TPUs have neither.
+            if xr.world_size() > 2:
+                raise BackendUnavailableError(
+                    f"shardcore xla: XLA FSDP (xla_fsdp_v2: false) on {xr.world_size()} CPU PJRT devices: torch_xla "
+                    "2.9's CPU collectives hang beyond 2 devices (pytorch/xla#9089). Use CPU_NUM_DEVICES=2, or "
+                    "xla_fsdp_v2: true (SPMD), which runs on any number of CPU devices."
+                )
+            if config.xla_fsdp_grad_ckpt:
+                raise BackendUnavailableError(
+                    "shardcore xla: xla_fsdp_grad_ckpt with XLA FSDP on several CPU PJRT devices desynchronises "
+                    "the device threads' collectives in torch_xla 2.9 (it runs on one CPU device and on TPU). "
+                    "Use one CPU device, or xla_fsdp_v2: true (SPMD) with xla_fsdp_grad_ckpt."
+                )
+            cpu_collectives.install()
+
+        def wrapper(m: nn.Module, *args: Any, **kw: Any) -> nn.Module:
+            if config.xla_fsdp_grad_ckpt:
+                m = checkpoint_module(m)
+            return FSDP(m, *args, **kw)
+
+        return FSDP(
+            model.to(torch_xla.device()),
+            auto_wrap_policy=_plan_policy(model, plan),
+            auto_wrapper_callable=wrapper,
+            **kwargs,
+        )
+
+    def _apply_spmd(self, model: nn.Module, plan: WrapPlan, config: ShardConfig, kwargs: dict[str, Any]) -> nn.Module:
+        import numpy as np
+        import torch_xla.distributed.spmd as xs
+        import torch_xla.runtime as xr
+        from torch_xla.distributed.fsdp import checkpoint_module
+        from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
+
+        if not xr.is_spmd():
+            xr.use_spmd()
+        if self._mesh is None:
+            n = xr.global_runtime_device_count()
+            self._mesh = xs.Mesh(np.arange(n), (n, 1), ("fsdp", "model"))
+            xs.set_global_mesh(self._mesh)
+
+        def wrapper(m: nn.Module, *args: Any, **kw: Any) -> nn.Module:
+            if config.xla_fsdp_grad_ckpt:
+                m = checkpoint_module(m)
+            return FSDPv2(m, *args, **kw)
+
+        return FSDPv2(
+            model,
+            mesh=self._mesh,
+            shard_output=shard_output,
+            auto_wrap_policy=_plan_policy(model, plan),
+            auto_wrapper_callable=wrapper,
+            **kwargs,
+        )
+
+
+# ---------------------------------------------------------------- settings
+
+
+def _fsdp_parameters() -> dict[str, inspect.Parameter]:
+    from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
+
+    params = inspect.signature(FSDP.__init__).parameters
+    return {n: p for n, p in params.items() if n not in ("self", "module") and not n.startswith("_")}
+
+
+def fsdp_kwargs(config: ShardConfig) -> dict[str, Any]:
+    """``xla_fsdp_settings`` checked against ``XlaFullyShardedDataParallel``'s arguments and
+    converted as the Trainer converts them."""
+    valid = _fsdp_parameters()
+    settable = {n: p for n, p in valid.items() if n not in _PLAN_OWNED | _NOT_FROM_CONFIG}
+    out: dict[str, Any] = {}
+    for name, value in config.xla_fsdp_settings.items():
+        key = f"xla_fsdp_settings.{name}"
+        if name in _PLAN_OWNED:
+            raise ShardConfigError(
+                key, "is decided by shardcore's wrap plan. Use auto_wrap_policy / transformer_layer_cls_to_wrap / min_num_params."
+            )
+        if name in _NOT_FROM_CONFIG:
+            raise ShardConfigError(key, "takes a Python callable, which a config cannot hold. Remove it.")
+        if name not in settable:
+            raise UnknownKeyError(key, [f"xla_fsdp_settings.{n}" for n in settable], where="XlaFullyShardedDataParallel arguments")
+        out[name] = _convert(key, value, settable[name].default)
+    if "reshard_after_forward" in out and "reshard_after_forward" in config.explicit and out["reshard_after_forward"] != config.reshard_after_forward:
+        raise ShardConfigError(
+            "xla_fsdp_settings.reshard_after_forward",
+            f"is {out['reshard_after_forward']} but reshard_after_forward is {config.reshard_after_forward}. Keep one.",
+        )
+    out.setdefault("reshard_after_forward", config.reshard_after_forward)
+    return out
+
+
+def spmd_kwargs(config: ShardConfig) -> dict[str, Any]:
+    if config.xla_fsdp_settings:
+        name = next(iter(config.xla_fsdp_settings))
+        raise ShardConfigError(
+            f"xla_fsdp_settings.{name}",
+            "is an XlaFullyShardedDataParallel argument; SPMD FSDPv2 (xla_fsdp_v2: true) takes none of "
+            "them (the Trainer does not pass them either). Remove xla_fsdp_settings or set xla_fsdp_v2: false.",
+        )
+    if not config.reshard_after_forward:
+        raise ShardConfigError(
+            "reshard_after_forward",
+            "is false, but SPMD FSDPv2 has no such setting (the XLA compiler schedules the gathers). "
+            "Remove it or set xla_fsdp_v2: false.",
+        )
+    return {}
+
+
+def _convert(key: str, value: Any, default: Any) -> Any:
+    import torch
+
+    name = key.rsplit(".", 1)[1]
+    if name in _DTYPE_SETTINGS:
+        if value is None:
+            return None
+        return getattr(torch, _dtype_name(key, value))
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ShardConfigError(key, f"must be true or false, got {value!r}.")
+        return value
+    if name in ("sharding_rank", "sharding_world_size", "reduce_scatter_bucket_size_mb") or isinstance(default, int):
+        if value is None and default is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ShardConfigError(key, f"must be a non-negative integer, got {value!r}.")
+        return value
+    if name == "sharding_groups":
+        if value is None:
+            return None
+        if not (isinstance(value, list) and value and all(
+            isinstance(g, list) and g and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in g) for g in value
+        )):
+            raise ShardConfigError(key, f"must be a list of lists of device ordinals, got {value!r}.")
+        return value
+    raise ShardConfigError(key, f"cannot be set from a config (value {value!r}).")  # pragma: no cover
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _plan_policy(model: nn.Module, plan: WrapPlan) -> Callable[..., bool]:
+    unit_ids = {id(m) for m in plan.modules(model)}
+
+    def policy(module: nn.Module, recurse: bool, **_: Any) -> bool:
+        # recurse everywhere; wrap exactly the plan's units (children first, as recursive_wrap goes)
+        return True if recurse else id(module) in unit_ids
+
+    return policy
+
+
+def shard_output(output: Any, mesh: Any) -> None:
+    """Shard a forward output along the batch on ``fsdp``, as the Trainer's FSDPv2 ``shard_output``:
+    a tensor, the first element of a tuple, or a Hugging Face output's ``logits``."""
+    import torch_xla.distributed.spmd as xs
+
+    real = None
+    if isinstance(output, torch.Tensor):
+        real = output
+    elif isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        real = output[0]
+    elif hasattr(output, "logits") and isinstance(output.logits, torch.Tensor):
+        real = output.logits
+    elif hasattr(output, "last_hidden_state") and isinstance(output.last_hidden_state, torch.Tensor):
+        real = output.last_hidden_state
+    if real is None:
+        raise ShardcoreError(
+            f"shardcore xla (xla_fsdp_v2): cannot find the tensor to shard in a {type(output).__name__} "
+            "output; return a tensor, a tuple starting with one, or an object with .logits."
+        )
+    xs.mark_sharding(real, mesh, ("fsdp",) + (None,) * (real.dim() - 1))
+
+
+def _strip_wrappers(key: str) -> str:
+    for w in ("_orig_module.", "_fsdp_wrapped_module.", "_fpw_module.", "_xla_checkpointed_module."):
+        key = key.replace(w, "")
+    return key
+
+
+def _consolidate_fsdp(model: nn.Module) -> dict[str, Any]:
+    """Gather every rank's shards (``all_gather``) and rebuild full tensors with torch_xla's own
+    ``consolidate_sharded_state_dicts``, so the names and shapes are exactly the unwrapped model's."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.runtime as xr
+    from torch_xla.distributed.fsdp import consolidate_sharded_state_dicts
+
+    sd = model.state_dict()
+    meta = model.get_shard_metadata()
+    world = xr.world_size()
+    if world == 1:
+        per_rank = [{k: v.cpu() for k, v in sd.items()}]
+    else:
+        from . import cpu_collectives
+
+        gathered = {k: xm.all_gather(v.unsqueeze(0), dim=0) for k, v in sd.items()}
+        torch_xla.sync()
+        cpu_collectives.reset()
+        per_rank = [{k: g[r].cpu() for k, g in gathered.items()} for r in range(world)]
+    full = consolidate_sharded_state_dicts(per_rank, meta)
+    return {_strip_wrappers(k): v.detach().cpu().clone() for k, v in full.items()}
+
+
+def _param_layout(model: nn.Module) -> dict[int, list[tuple[str, tuple[int, ...]]]]:
+    """Parameter id -> the (name in the unwrapped model, shape) pieces it holds, in order.
+
+    Under SPMD a parameter is one whole tensor. Under XLA FSDP it is a flat, padded shard of one
+    parameter (``_orig_name``, ``_orig_size``), or with ``flatten_parameters`` of several, listed
+    in the root's ``get_shard_metadata()["flatten_info"]``."""
+    flatten_info = {}
+    if hasattr(model, "get_shard_metadata"):
+        flatten_info = model.get_shard_metadata().get("flatten_info", {})
+    out: dict[int, list[tuple[str, tuple[int, ...]]]] = {}
+    for prefix, mod in model.named_modules():
+        for local, p in mod.named_parameters(recurse=False):
+            orig = getattr(p, "_orig_name", None)
+            if orig is None:
+                out[id(p)] = [(_strip_wrappers(f"{prefix}.{local}" if prefix else local), tuple(p.shape))]
+                continue
+            full = f"{prefix}.{orig}" if prefix else orig
+            flat_key = full.replace("_fpw_module.", "")
+            if flat_key in flatten_info:
+                names, shapes, _ = flatten_info[flat_key]
+                base = full.rsplit(".", 1)[0]
+                out[id(p)] = [(_strip_wrappers(f"{base}.{n}"), tuple(sh)) for n, sh in zip(names, shapes)]
+            else:
+                out[id(p)] = [(_strip_wrappers(full), tuple(p._orig_size))]
+    return out
+
+
+def _fsdp_shard(full: torch.Tensor, shard_numel: int, rank: int, world: int) -> torch.Tensor:
+    """Rank ``rank``'s shard of ``full``, laid out as XlaFullyShardedDataParallel shards: flattened,
+    zero-padded to ``world * shard_numel``, then cut in ``world`` equal chunks."""
+    flat = full.detach().reshape(-1)
+    padded = torch.zeros(world * shard_numel, dtype=flat.dtype)
+    padded[: flat.numel()] = flat
+    return padded[rank * shard_numel : (rank + 1) * shard_numel].clone()
+
+
+def _load_fsdp(model: nn.Module, sd: dict[str, Any]) -> None:
+    import torch_xla.runtime as xr
+
+    layout = _param_layout(model)
+    missing = [n for p in model.parameters() for n, _ in layout[id(p)] if n not in sd]
+    if missing:
+        raise ShardcoreError(f"shardcore.load: the state dict lacks {missing[:5]} (and {max(0, len(missing) - 5)} more).")
+    with torch.no_grad():
+        for p in model.parameters():
+            full = torch.cat([sd[n].detach().reshape(-1).to(p.dtype) for n, _ in layout[id(p)]])
+            p.copy_(_fsdp_shard(full, p.numel(), xr.global_ordinal(), xr.world_size()).to(p.device))
+        for bname, b in model.named_buffers():
+            key = _strip_wrappers(bname)
+            if key in sd:
+                b.copy_(sd[key].to(b.device, b.dtype))
+
+
+def _like_spmd_param(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` on the XLA device with the same SPMD sharding as ``p``."""
+    import torch_xla
+    from torch_xla.experimental.spmd_fully_sharded_data_parallel import _prepare_spmd_partition_spec
+    import torch_xla.distributed.spmd as xs
+
+    t = value.to(torch_xla.device(), p.dtype)
+    xs.mark_sharding(t, xs.get_global_mesh(), _prepare_spmd_partition_spec(t, shard_maximal=True))
+    return t
+
+
+def _load_spmd(model: nn.Module, sd: dict[str, Any]) -> None:
+    missing = []
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            key = _strip_wrappers(name)
+            if key not in sd:
+                missing.append(key)
+                continue
+            p.data = _like_spmd_param(p, sd[key])
+        for bname, b in model.named_buffers():
+            key = _strip_wrappers(bname)
+            if key in sd:
+                b.copy_(sd[key].to(b.device, b.dtype))
+    if missing:
+        raise ShardcoreError(f"shardcore.load: the state dict lacks {missing[:5]} (and {max(0, len(missing) - 5)} more).")
+
+
+def _call_with_ordinal(index: int, fn: Callable[[int], None]) -> None:
+    import torch_xla.runtime as xr
+
+    fn(xr.global_ordinal())
+
+
+def _has_tpu() -> bool:
+    return os.path.exists("/dev/accel0") or os.path.exists("/dev/vfio/0")

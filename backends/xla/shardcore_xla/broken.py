@@ -1,0 +1,17 @@
+"""A deliberately wrong XLA variant, shipped so tests can show the conformance suite catches it."""
+from __future__ import annotations
+
+from .backend import XLABackend
+
+
+class NoLocalBatchScaling(XLABackend):
+    """SPMD that feeds every device the first device's slice instead of sharding the global batch."""
+
+    name = "xla-broken-batch"
+
+    def local_batch(self, batch):
+        import torch_xla.runtime as xr
+
+        n = xr.global_runtime_device_count()
+        first = {k: v[: v.shape[0] // n].repeat((n,) + (1,) * (v.dim() - 1)) for k, v in batch.items()}
+        return super().local_batch(first)

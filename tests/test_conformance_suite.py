@@ -20,6 +20,7 @@ import torch
 import shardcore
 from shardcore_conformance import TOLERANCES, compare, covered_keys, fsdp2_matrix, matrix_for
 from shardcore_conformance.cli import main as cli_main
+from shardcore_conformance.models import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -64,6 +65,11 @@ def test_fsdp2_matrix_makes_every_supported_key_a_dimension():
     # tied GPT-2 never gets a size-based unit (it would hold the embedding shared with the head)
     assert not any(n.startswith("gpt2-size") for n in by_name)
     assert {c.dtype for c in cases} == {"fp32", "bf16"}
+    # uneven: some parameter has fewer rows than ranks (empty shards); every model has odd sizes
+    uneven = build_model(by_name["uneven-mlp"].model, 0)
+    assert min(p.shape[0] for p in uneven.parameters()) == 1
+    for model in ("mlp", "llama", "gpt2"):
+        assert any(p.shape[0] % 2 for p in build_model(model, 0).parameters()), model
 
 
 def test_fewer_keys_give_fewer_cases():
@@ -211,9 +217,9 @@ def test_cli_runs_cases_and_writes_the_report(tmp_path):
     ],
 )
 def test_cli_catches_broken_backends(tmp_path, backend, expected):
-    out = _run(["--backend", backend, "--cases", "grad_accum-llama", "--report", str(tmp_path), "--no-plots"])
+    out = _run(["--backend", backend, "--cases", "grad_accum-mlp", "--report", str(tmp_path), "--no-plots"])
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
-    (line,) = [x for x in out.stdout.splitlines() if x.startswith("FAIL grad_accum-llama: ")]
+    (line,) = [x for x in out.stdout.splitlines() if x.startswith("FAIL grad_accum-mlp: ")]
     assert expected in line, line
     if "SumGrads" in backend:
         assert "are gradients averaged across ranks?" in line

@@ -57,7 +57,10 @@ class ScaledBlock(MLPBlock):
         self.register_buffer("shift", torch.linspace(-0.1, 0.1, d_out), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.gelu(self.norm(self.fc(x)) * self.scale + self.shift)
+        h = self.norm(self.fc(x))
+        # in the activations' dtype, as Hugging Face models use their buffers (mixed precision keeps
+        # buffers in fp32 while activations are bf16)
+        return F.gelu(h * self.scale.to(h.dtype) + self.shift.to(h.dtype))
 
 
 class BufferMLP(nn.Module):

@@ -206,7 +206,9 @@ def matrix_for(backend: Any, world_size: int = 2, dtype: str | None = None) -> l
 
 
 def _low_precision(case: Case, knob: dict[str, Any], name: str | None = None) -> Case:
-    family = "mixed_precision" if "mixed_precision" in knob else "xla_compute_dtype"
+    """``case`` computing in bf16 through ``knob``; a bf16 one-off (no ``name``) is in the family
+    of its knob, a case of the all-bf16 matrix stays in its own family."""
+    family = case.family if name else ("mixed_precision" if "mixed_precision" in knob else "xla_compute_dtype")
     return replace(case, name=name or case.name, config={**case.config, **knob}, dtype="bf16", lr=LOW_PRECISION_LR, family=family)
 
 

@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -165,18 +166,24 @@ def describe_peers(cause: str = "") -> str:
     me = dist.get_rank() if dist.is_initialized() else None
     size = len(_peers)
     host = socket.gethostname()
-    gone, stopped, unchecked = [], [], []
-    for r, (h, pid) in sorted(_peers.items()):
-        if r == me:
-            continue
-        if h != host:
-            unchecked.append(f"rank {r} (pid {pid} on {h})")
-            continue
-        state = _process_state(pid)
-        if state == "gone":
-            gone.append(f"rank {r} (pid {pid})")
-        elif state == "stopped":
-            stopped.append(f"rank {r} (pid {pid})")
+    # a killed peer's sockets close before the kernel marks it exited: give it a moment
+    deadline = time.monotonic() + 3.0
+    while True:
+        gone, stopped, unchecked = [], [], []
+        for r, (h, pid) in sorted(_peers.items()):
+            if r == me:
+                continue
+            if h != host:
+                unchecked.append(f"rank {r} (pid {pid} on {h})")
+                continue
+            state = _process_state(pid)
+            if state == "gone":
+                gone.append(f"rank {r} (pid {pid})")
+            elif state == "stopped":
+                stopped.append(f"rank {r} (pid {pid})")
+        if gone or stopped or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     parts = []
     if gone:
         parts.append(f"lost {', '.join(gone)}: the process has exited or was killed")

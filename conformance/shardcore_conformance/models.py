@@ -83,57 +83,48 @@ class BufferMLP(nn.Module):
         return self.head(x)
 
 
-def tiny_llama_config(**overrides):
-    from transformers import LlamaConfig
+# Tiny Hugging Face models: (config class, model class, config) in transformers. Llama: GQA, RMSNorm,
+# rotary positions (a non-persistent buffer), untied head. GPT-2: tied input and output embeddings
+# (``lm_head.weight is transformer.wte.weight``), learned positions, fused QKV ``Conv1D``; dropout off.
+_TINY_HF = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
+        vocab_size=97, hidden_size=32, intermediate_size=56, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, attn_implementation="eager",
+    )),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(
+        vocab_size=97, n_positions=32, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, tie_word_embeddings=True, attn_implementation="eager",
+    )),
+}
 
-    kw = dict(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=56,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
-    )
-    kw.update(overrides)
-    return LlamaConfig(**kw)
+
+def _tiny_config(arch: str, overrides: dict):
+    import transformers
+
+    config_cls, _, kw = _TINY_HF[arch]
+    return getattr(transformers, config_cls)(**{**kw, **overrides})
+
+
+def _tiny_model(arch: str, overrides: dict) -> nn.Module:
+    import transformers
+
+    return getattr(transformers, _TINY_HF[arch][1])(_tiny_config(arch, overrides))
+
+
+def tiny_llama_config(**overrides):
+    return _tiny_config("llama", overrides)
 
 
 def build_llama(**overrides) -> nn.Module:
-    from transformers import LlamaForCausalLM
-
-    return LlamaForCausalLM(tiny_llama_config(**overrides))
+    return _tiny_model("llama", overrides)
 
 
 def tiny_gpt2_config(**overrides):
-    """GPT-2 with tied input and output embeddings (``lm_head.weight is transformer.wte.weight``),
-    learned position embeddings and fused QKV ``Conv1D`` layers; dropout off."""
-    from transformers import GPT2Config
-
-    kw = dict(
-        vocab_size=97,
-        n_positions=32,
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-        tie_word_embeddings=True,
-        attn_implementation="eager",
-    )
-    kw.update(overrides)
-    return GPT2Config(**kw)
+    return _tiny_config("gpt2", overrides)
 
 
 def build_gpt2(**overrides) -> nn.Module:
-    from transformers import GPT2LMHeadModel
-
-    return GPT2LMHeadModel(tiny_gpt2_config(**overrides))
+    return _tiny_model("gpt2", overrides)
 
 
 @dataclass(frozen=True)

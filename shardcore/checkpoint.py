@@ -436,7 +436,13 @@ def _safetensors():
 
 def _aliases(model: nn.Module) -> dict[str, str]:
     """Tied parameters: ``{name that is not stored: name that is}``, as ``save_pretrained`` decides
-    (the names a Transformers model lists in ``_tied_weights_keys`` are the ones dropped)."""
+    (the names a Transformers model lists in ``_tied_weights_keys`` are the ones dropped).
+    A backend whose wrappers rename parameters answers for its models (``tied_aliases(model)``)."""
+    from .api import _HANDLE_ATTR
+
+    backend = getattr(getattr(model, _HANDLE_ATTR, None), "backend", None)
+    if getattr(backend, "tied_aliases", None) is not None:
+        return backend.tied_aliases(model)
     groups: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         groups.setdefault(id(p), []).append(name)

@@ -74,13 +74,33 @@ class XLABackend:
                 f"is {spmd} but this process already sharded a model with xla_fsdp_v2={self._spmd}; SPMD "
                 "mode is global to a process. Use one mode per process.",
             )
+        from shardcore.checkpoint import _aliases
+
+        # tied names, decided on the unwrapped model (the wrappers rename and deduplicate)
+        aliases = _aliases(model)
         if spmd:
             kwargs = spmd_kwargs(config)
             self._spmd = True
-            return self._apply_spmd(model, plan, config, kwargs)
-        kwargs = fsdp_kwargs(config)
-        self._spmd = False
-        return self._apply_fsdp(model, plan, config, kwargs)
+            out = self._apply_spmd(model, plan, config, kwargs)
+        else:
+            kwargs = fsdp_kwargs(config)
+            self._spmd = False
+            out = self._apply_fsdp(model, plan, config, kwargs)
+        object.__setattr__(out, "_shardcore_tied_aliases", aliases)
+        return out
+
+    def tied_aliases(self, model: nn.Module) -> dict[str, str]:
+        """``{tied name not stored in a FULL checkpoint: the name that is}``, in unwrapped names."""
+        return dict(getattr(model, "_shardcore_tied_aliases", {}))
+
+    def _with_aliases(self, model: nn.Module, d: dict[str, Any], copy: Callable[[Any], Any]) -> dict[str, Any]:
+        # either name of a tied pair may be the one the wrapper kept
+        for alias, kept in self.tied_aliases(model).items():
+            if kept in d and alias not in d:
+                d[alias] = copy(d[kept])
+            elif alias in d and kept not in d:
+                d[kept] = copy(d[alias])
+        return d
 
     def world(self) -> World:
         import torch_xla
@@ -155,8 +175,11 @@ class XLABackend:
         if self._spmd:
             sd = model.state_dict()
             # SPMD tensors are logically global: .cpu() gathers them
-            return {_strip_wrappers(k): v.detach().cpu().clone() for k, v in sd.items()}
-        return _consolidate_fsdp(model)
+            full = {_strip_wrappers(k): v.detach().cpu().clone() for k, v in sd.items()}
+        else:
+            full = _consolidate_fsdp(model)
+        # a tied weight appears under each of its names, as in the unwrapped model's state_dict()
+        return self._with_aliases(model, full, lambda t: t.clone())
 
     # -- checkpoints: the same FULL format as every backend (one unsharded state dict, original names)
     def broadcast_object(self, obj: Any) -> Any:
@@ -177,7 +200,7 @@ class XLABackend:
             for name, b in mod.named_buffers(recurse=False):
                 if b is not None and name not in mod._non_persistent_buffers_set:
                     shapes[_strip_wrappers(f"{prefix}.{name}" if prefix else name)] = tuple(b.shape)
-        return shapes
+        return self._with_aliases(model, shapes, lambda s: s)
 
     def load_full_state_dict(self, model: nn.Module, state_dict: dict[str, Any]) -> None:
         """Put an unsharded state dict (read on rank 0 only) into the sharded model, each rank taking
@@ -264,7 +287,7 @@ class XLABackend:
 
         if self._spmd:
             return _like_spmd_param(p, flat.view(p.shape))
-        return _fsdp_shard(flat, p.numel(), xr.global_ordinal(), xr.world_size()).to(p.device, flat.dtype)
+        return _fsdp_shard(flat, p, xr.global_ordinal(), xr.world_size()).to(p.device, flat.dtype)
 
     def _broadcast_tensors(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         import torch_xla.core.xla_model as xm
@@ -331,7 +354,7 @@ class XLABackend:
             return FSDP(m, *args, **kw)
 
         return FSDP(
-            model.to(torch_xla.device()),
+            _to_device_keeping_ties(model, torch_xla.device()),
             auto_wrap_policy=_plan_policy(model, plan),
             auto_wrapper_callable=wrapper,
             **kwargs,
@@ -339,6 +362,7 @@ class XLABackend:
 
     def _apply_spmd(self, model: nn.Module, plan: WrapPlan, config: ShardConfig, kwargs: dict[str, Any]) -> nn.Module:
         import numpy as np
+        import torch_xla
         import torch_xla.distributed.spmd as xs
         import torch_xla.runtime as xr
         from torch_xla.distributed.fsdp import checkpoint_module
@@ -357,7 +381,7 @@ class XLABackend:
             return FSDPv2(m, *args, **kw)
 
         return FSDPv2(
-            model,
+            _to_device_keeping_ties(model, torch_xla.device()),
             mesh=self._mesh,
             shard_output=shard_output,
             auto_wrap_policy=_plan_policy(model, plan),
@@ -540,13 +564,40 @@ def _param_layout(model: nn.Module) -> dict[int, list[tuple[str, tuple[int, ...]
     return out
 
 
-def _fsdp_shard(full: torch.Tensor, shard_numel: int, rank: int, world: int) -> torch.Tensor:
-    """Rank ``rank``'s shard of ``full``, laid out as XlaFullyShardedDataParallel shards: flattened,
-    zero-padded to ``world * shard_numel``, then cut in ``world`` equal chunks."""
-    flat = full.detach().reshape(-1)
-    padded = torch.zeros(world * shard_numel, dtype=flat.dtype)
-    padded[: flat.numel()] = flat
-    return padded[rank * shard_numel : (rank + 1) * shard_numel].clone()
+def _to_device_keeping_ties(model: nn.Module, device: Any) -> nn.Module:
+    """``model.to(device)``, then share again every parameter that was shared before (tied
+    embeddings): moving a model to an XLA device disconnects tied weights (the Trainer re-ties
+    them with ``tie_weights()`` for the same reason); this works for any model."""
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    for mod in model.modules():
+        for name, p in mod._parameters.items():
+            if p is not None:
+                slots.setdefault(id(p), []).append((mod, name))
+    model.to(device)
+    for group in slots.values():
+        if len(group) > 1:
+            owner, name = group[0]
+            shared = owner._parameters[name]
+            for mod, n in group[1:]:
+                mod._parameters[n] = shared
+    return model
+
+
+def _fsdp_shard(full: torch.Tensor, like: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Rank ``rank``'s shard of ``full`` laid out like the XLA FSDP shard ``like``: flattened and
+    zero-padded to ``world * like.numel()`` then cut in ``world`` chunks (the default), or, with
+    ``shard_param_on_dim_0``, padded along dim 0 to ``world * like.shape[0]`` rows and cut there."""
+    if like.dim() <= 1 and (full.dim() <= 1 or like.shape[0] != full.shape[0] * world):
+        flat = full.detach().reshape(-1)
+        n = like.numel()
+        padded = torch.zeros(world * n, dtype=flat.dtype)
+        padded[: flat.numel()] = flat
+        return padded[rank * n : (rank + 1) * n].clone()
+    full = full.detach().reshape((-1,) + tuple(like.shape[1:]))
+    rows = like.shape[0]
+    padded = torch.zeros((world * rows,) + tuple(like.shape[1:]), dtype=full.dtype)
+    padded[: full.shape[0]] = full
+    return padded[rank * rows : (rank + 1) * rows].clone()
 
 
 def _load_fsdp(model: nn.Module, sd: dict[str, Any]) -> None:
@@ -559,7 +610,7 @@ def _load_fsdp(model: nn.Module, sd: dict[str, Any]) -> None:
     with torch.no_grad():
         for p in model.parameters():
             full = torch.cat([sd[n].detach().reshape(-1).to(p.dtype) for n, _ in layout[id(p)]])
-            p.copy_(_fsdp_shard(full, p.numel(), xr.global_ordinal(), xr.world_size()).to(p.device))
+            p.copy_(_fsdp_shard(full, p, xr.global_ordinal(), xr.world_size()).to(p.device))
         for bname, b in model.named_buffers():
             key = _strip_wrappers(bname)
             if key in sd:

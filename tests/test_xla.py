@@ -81,6 +81,19 @@ def test_broken_xla_variant_is_caught():
     assert not result.ok and "loss differs at step 0" in " ".join(result.verdicts[0].reasons)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode, devices", [("spmd", 2), ("fsdp", 1)])
+def test_grad_ckpt_recomputes_units_in_backward(mode, devices):
+    """xla_fsdp_grad_ckpt is honoured: a unit's submodule runs again in backward."""
+    counts = {}
+    for gc in ("0", "1"):
+        out = subprocess.run([sys.executable, str(HERE / "xla_worker.py"), "forwards", mode, gc], capture_output=True,
+                             text=True, timeout=300, env=_xla_env(devices))
+        assert out.returncode == 0, out.stderr[-3000:]
+        counts[gc] = json.loads(out.stdout.strip().splitlines()[-1])["forwards"]
+    assert counts == {"0": 1, "1": 2}
+
+
 # --------------------------------------------------------------- recompilation
 
 

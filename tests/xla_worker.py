@@ -5,6 +5,7 @@
                                                           full_state_dict to DIR/expected.safetensors
     python xla_worker.py load     MODE CKPT OUT        -> shardcore.load CKPT into a sharded model,
                                                           full_state_dict to OUT
+    python xla_worker.py forwards MODE GC              -> JSON: forward calls of a unit's MLP in one step
 MODE is "spmd" (xla_fsdp_v2) or "fsdp" (XlaFullyShardedDataParallel, one device).
 """
 import json
@@ -18,9 +19,12 @@ import shardcore
 from shardcore_conformance.models import build_model, loss_fn, make_batches
 
 
-def sharded_llama(mode: str):
-    cfg = {"xla": True, "xla_fsdp_v2": mode == "spmd"}
-    model = shardcore.shard(build_model("llama", 0), cfg)
+def sharded_llama(mode: str, grad_ckpt: bool = False, hook=None):
+    cfg = {"xla": True, "xla_fsdp_v2": mode == "spmd", "xla_fsdp_grad_ckpt": grad_ckpt}
+    model = build_model("llama", 0)
+    if hook is not None:
+        model.model.layers[0].mlp.register_forward_hook(hook)
+    model = shardcore.shard(model, cfg)
     return model, shardcore.handle(model).backend
 
 
@@ -40,6 +44,12 @@ def train(model, backend, steps: int, after_step=None):
 
 def main() -> None:
     cmd, mode = sys.argv[1], sys.argv[2]
+    if cmd == "forwards":
+        calls = []
+        model, backend = sharded_llama(mode, sys.argv[3] == "1", lambda *a: calls.append(1))
+        train(model, backend, 1)
+        print(json.dumps({"forwards": len(calls)}))
+        return
     model, backend = sharded_llama(mode)
     if cmd == "compile":
         counts = []

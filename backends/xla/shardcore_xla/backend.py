@@ -325,10 +325,8 @@ class XLABackend:
     # -- the two modes ----------------------------------------------------------------------------
     def _apply_fsdp(self, model: nn.Module, plan: WrapPlan, config: ShardConfig, kwargs: dict[str, Any]) -> nn.Module:
         import torch_xla
-        from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
-        from torch_xla.distributed.fsdp import checkpoint_module
-
         import torch_xla.runtime as xr
+        from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
 
         from . import cpu_collectives
 
@@ -348,15 +346,10 @@ class XLABackend:
                 )
             cpu_collectives.install()
 
-        def wrapper(m: nn.Module, *args: Any, **kw: Any) -> nn.Module:
-            if config.xla_fsdp_grad_ckpt:
-                m = checkpoint_module(m)
-            return FSDP(m, *args, **kw)
-
         return FSDP(
             _to_device_keeping_ties(model, torch_xla.device()),
             auto_wrap_policy=_plan_policy(model, plan),
-            auto_wrapper_callable=wrapper,
+            auto_wrapper_callable=_unit_wrapper(FSDP, config.xla_fsdp_grad_ckpt),
             **kwargs,
         )
 
@@ -365,7 +358,6 @@ class XLABackend:
         import torch_xla
         import torch_xla.distributed.spmd as xs
         import torch_xla.runtime as xr
-        from torch_xla.distributed.fsdp import checkpoint_module
         from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
 
         if not xr.is_spmd():
@@ -375,19 +367,25 @@ class XLABackend:
             self._mesh = xs.Mesh(np.arange(n), (n, 1), ("fsdp", "model"))
             xs.set_global_mesh(self._mesh)
 
-        def wrapper(m: nn.Module, *args: Any, **kw: Any) -> nn.Module:
-            if config.xla_fsdp_grad_ckpt:
-                m = checkpoint_module(m)
-            return FSDPv2(m, *args, **kw)
-
         return FSDPv2(
             _to_device_keeping_ties(model, torch_xla.device()),
             mesh=self._mesh,
             shard_output=shard_output,
             auto_wrap_policy=_plan_policy(model, plan),
-            auto_wrapper_callable=wrapper,
+            auto_wrapper_callable=_unit_wrapper(FSDPv2, config.xla_fsdp_grad_ckpt),
             **kwargs,
         )
+
+
+def _unit_wrapper(wrapper_cls: type, grad_ckpt: bool) -> Callable[..., nn.Module]:
+    """What wraps each plan unit: ``wrapper_cls``, around torch_xla's ``checkpoint_module`` of the
+    unit when ``xla_fsdp_grad_ckpt`` is on (the Trainer's ``auto_wrapper_callable``)."""
+    from torch_xla.distributed.fsdp import checkpoint_module
+
+    def wrap(m: nn.Module, *args: Any, **kw: Any) -> nn.Module:
+        return wrapper_cls(checkpoint_module(m) if grad_ckpt else m, *args, **kw)
+
+    return wrap
 
 
 # ---------------------------------------------------------------- settings

@@ -6,6 +6,7 @@ recorded as an error, and the remaining cases run in a fresh group. Nothing can 
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -13,7 +14,6 @@ import socket
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,26 +21,11 @@ import torch
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
+from shardcore.backend import LaunchSpec
+
 from .cases import Case
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LaunchSpec:
-    """How a backend wants its ranks started. A backend may define
-    ``launch_spec(config: ShardConfig, world_size: int) -> LaunchSpec``; without it every rank is its
-    own OS process with the torch.distributed environment (torchrun-style).
-
-    ``processes`` 1 with ``world_size`` > 1 means the backend drives all devices from one process
-    (SPMD, or device threads: then it also defines ``run_on_devices(fn)``, calling ``fn(rank)`` on each
-    device and returning when all have finished). Cases whose ``group`` differs never share a process
-    (for settings that are global to a process, such as XLA's SPMD mode).
-    """
-
-    processes: int
-    env: dict[str, str] = field(default_factory=dict)
-    group: str = ""
 
 
 def launch_spec(backend: str | None, case: Case, world_size: int) -> LaunchSpec:
@@ -61,7 +46,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, nprocs: int, world_size: int, port: int, cases: list[dict], backend: str | None, out_dir: str, env: dict[str, str]) -> None:
+def _worker(rank: int, nprocs: int, per_device: bool, world_size: int, port: int, cases: list[dict], backend: str | None, out_dir: str, env: dict[str, str]) -> None:
     os.environ.update(env)
     if backend is None or "xla" not in backend:
         # Transformers imports torch_xla whenever it is installed unless told not to (its own advice
@@ -74,13 +59,12 @@ def _worker(rank: int, nprocs: int, world_size: int, port: int, cases: list[dict
         )
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
-    run_on_devices = None
-    if backend is not None and nprocs == 1 and world_size > 1:
+    if per_device:
         import shardcore
 
-        run_on_devices = getattr(shardcore.get_backend(backend), "run_on_devices", None)
-    if run_on_devices is not None:
-        run_on_devices(lambda device_rank: _run_cases_here(device_rank, cases, backend, Path(out_dir)))
+        run_on_devices = shardcore.get_backend(backend).run_on_devices
+        # a partial of a module-level function pickles, for launchers that start processes per device
+        run_on_devices(functools.partial(_run_cases_here, cases=cases, backend=backend, out=Path(out_dir)))
     else:
         _run_cases_here(rank, cases, backend, Path(out_dir))
 
@@ -116,14 +100,14 @@ def run_cases(
     groups: dict[tuple, list[Case]] = {}
     for c in cases:
         spec = launch_spec(backend, c, world_size)
-        groups.setdefault((spec.group, spec.processes, tuple(sorted(spec.env.items()))), []).append(c)
+        groups.setdefault((spec.group, spec.processes, spec.per_device, tuple(sorted(spec.env.items()))), []).append(c)
     results: dict[str, dict[str, Any]] = {}
-    for (_, nprocs, spec_env), group in groups.items():
-        results.update(_run_group(group, backend, world_size, nprocs, {**dict(spec_env), **(env or {})}, case_timeout, on_case_done))
+    for (_, nprocs, per_device, spec_env), group in groups.items():
+        results.update(_run_group(group, backend, world_size, nprocs, per_device, {**dict(spec_env), **(env or {})}, case_timeout, on_case_done))
     return results
 
 
-def _run_group(cases, backend, world_size, nprocs, env, case_timeout, on_case_done) -> dict[str, dict[str, Any]]:
+def _run_group(cases, backend, world_size, nprocs, per_device, env, case_timeout, on_case_done) -> dict[str, dict[str, Any]]:
     results: dict[str, dict[str, Any]] = {}
     pending = list(cases)
     with tempfile.TemporaryDirectory(prefix="shardcore-conf-") as tmp:
@@ -131,7 +115,7 @@ def _run_group(cases, backend, world_size, nprocs, env, case_timeout, on_case_do
             out = Path(tempfile.mkdtemp(dir=tmp))
             ctx = mp.start_processes(
                 _worker,
-                args=(nprocs, world_size, free_port(), [c.to_dict() for c in pending], backend, str(out), env),
+                args=(nprocs, per_device, world_size, free_port(), [c.to_dict() for c in pending], backend, str(out), env),
                 nprocs=nprocs,
                 join=False,
                 start_method="spawn",

@@ -53,6 +53,21 @@ class Backend(Protocol):
 
     def barrier(self) -> None: ...
 
+    def local_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """What this rank feeds its model from a global batch (the same on every rank): its slice
+        along dim 0, on its device; or, for a single-controller backend (SPMD), the whole batch
+        sharded across devices."""
+        ...
+
+    def all_reduce_sum(self, tensor: Any) -> Any:
+        """Sum of ``tensor`` over ranks (identity where values are already global, as under SPMD).
+        Optional hooks the conformance suite uses when present: ``grad_sq_sum(model)`` (sum of
+        squared gradients over ranks, for backends whose ranks do not hold disjoint shards),
+        ``step_end()`` (after each optimizer step, for lazy-tensor backends), ``compile_count()``,
+        ``launch_spec(config, world_size)`` with ``run_on_devices(fn)``, and
+        ``can_run(config, world_size) -> str | None`` (why a valid config cannot run here)."""
+        ...
+
     def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
         """Unsharded state dict with the original parameter names, on CPU; complete on rank 0
         (other ranks may return an empty dict). Collective: every rank must call it."""

@@ -1,4 +1,5 @@
-"""``shardcore`` command line: ``plan`` (units and per-rank memory) and ``backends``."""
+"""``shardcore`` command line: ``plan`` (units and per-rank memory), ``backends``, and ``conformance``
+(the ``shardcore-conformance`` suite)."""
 from __future__ import annotations
 
 import argparse
@@ -85,6 +86,16 @@ def cmd_backends(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_conformance(args: argparse.Namespace) -> int:
+    try:
+        from shardcore_conformance.cli import main as conformance_main
+    except ImportError:
+        raise ShardcoreError(
+            "shardcore conformance needs the shardcore-conformance package: pip install -e conformance"
+        ) from None
+    return conformance_main(args.rest)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="shardcore", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -96,7 +107,16 @@ def main(argv: list[str] | None = None) -> int:
     pp.set_defaults(func=cmd_plan)
     pb = sub.add_parser("backends", help="list registered backends and whether they can run here")
     pb.set_defaults(func=cmd_backends)
-    args = p.parse_args(argv)
+    pc = sub.add_parser("conformance", help="run the conformance suite (same options as shardcore-conformance)",
+                        add_help=False)
+    pc.add_argument("rest", nargs=argparse.REMAINDER)
+    pc.set_defaults(func=cmd_conformance)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["conformance"]:
+        # everything after the word belongs to the suite's own parser
+        args = argparse.Namespace(func=cmd_conformance, rest=argv[1:])
+    else:
+        args = p.parse_args(argv)
     try:
         return args.func(args)
     except ShardcoreError as e:

@@ -199,3 +199,57 @@ def describe_peers(cause: str = "") -> str:
         + (f"({first}) " if first else "")
         + "The other ranks cannot go on without it; restart every rank (from the last checkpoint)."
     )
+
+
+class TorchDistributedRuntime:
+    """The rank-level half of a backend built on ``torch.distributed`` (one process per rank):
+    world, barrier, reductions and per-rank batches. The FSDP2 backend and the out-of-tree example
+    in ``examples/vendor_backend`` both inherit it; a vendor backend over torch.distributed can too."""
+
+    def is_available(self) -> tuple[bool, str]:
+        if not dist.is_available():
+            return False, "this torch build has no torch.distributed"
+        return True, "cuda + nccl" if torch.cuda.is_available() else "cpu + gloo"
+
+    def world(self):
+        from .backend import World
+
+        if not dist.is_initialized():
+            return World(0, 1, self._device())
+        return World(dist.get_rank(), dist.get_world_size(), self._device())
+
+    def barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            tensor = tensor.clone()
+            dist.all_reduce(tensor)
+        return tensor
+
+    def broadcast_object(self, obj: Any) -> Any:
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def local_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's contiguous slice (along dim 0) of a global batch, on this rank's device."""
+        w = self.world()
+        out = {}
+        for k, v in batch.items():
+            if v.shape[0] % w.size:
+                raise DistributedSetupError(
+                    f"shardcore: batch field {k!r} has {v.shape[0]} rows, not divisible by world size "
+                    f"{w.size}. Use a global batch size that is a multiple of the world size."
+                )
+            n = v.shape[0] // w.size
+            out[k] = v[w.rank * n : (w.rank + 1) * n].to(w.device)
+        return out
+
+    def _device(self) -> torch.device:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")

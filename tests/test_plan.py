@@ -140,3 +140,9 @@ def test_cli_plan_errors_are_clean(tmp_path, capsys):
     cfg.write_text("{}")
     assert cli_main(["plan", "--config", str(cfg), "--model", "nope"]) == 2
     assert "module:factory" in capsys.readouterr().err
+
+
+def test_cli_conformance_forwards_to_the_suite(capsys):
+    assert cli_main(["conformance", "--backend", "fsdp2", "--list", "--cases", "mlp-nowrap-*"]) == 0
+    out = capsys.readouterr().out
+    assert "mlp-nowrap-reshard1-ac0" in out and "llama" not in out

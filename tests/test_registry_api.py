@@ -142,3 +142,16 @@ def test_reshard_after_forward_frees_gathered_params():
 
     assert unit_is_sharded_after_forward(True) is True
     assert unit_is_sharded_after_forward(False) is False
+
+
+def test_mesh_follows_a_new_process_group():
+    """After the script replaces the process group, shard() builds its mesh on the new one."""
+    import torch.distributed as dist
+
+    first = shardcore.shard(MLP(), {})
+    mesh = shardcore.handle(first).backend.mesh(shardcore.handle(first).config)
+    dist.destroy_process_group()
+    second = shardcore.shard(MLP(), {})
+    new_mesh = shardcore.handle(second).backend.mesh(shardcore.handle(second).config)
+    assert new_mesh is not mesh
+    assert new_mesh.get_group() is dist.group.WORLD

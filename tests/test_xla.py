@@ -241,3 +241,18 @@ def test_missing_torch_xla_names_the_install_command(monkeypatch):
 def test_xla_backend_is_registered_by_entry_point():
     info = {b.name: b for b in shardcore.available_backends()}["xla"]
     assert info.available and info.target == "shardcore_xla:XLABackend"
+
+
+def test_matrix_leaves_out_what_cpu_devices_cannot_run(monkeypatch):
+    from shardcore_conformance.cases import matrix_for
+
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    backend = shardcore.get_backend("xla")
+    assert backend.can_run(parse_config({"xla": True, "xla_fsdp_grad_ckpt": True}), 2)
+    assert "beyond 2 devices" in backend.can_run(parse_config({"xla": True}), 4)
+    assert backend.can_run(parse_config({**V2, "xla_fsdp_grad_ckpt": True}), 4) is None
+    two = matrix_for("xla", 2)
+    assert not [c.name for c in two if c.config.get("xla_fsdp_grad_ckpt") and not c.config.get("xla_fsdp_v2")]
+    assert [c for c in matrix_for("xla", 1) if c.config.get("xla_fsdp_grad_ckpt") and not c.config.get("xla_fsdp_v2")]
+    monkeypatch.setenv("PJRT_DEVICE", "TPU")
+    assert len(matrix_for("xla", 4)) == len(matrix_for("xla", 1))

@@ -122,6 +122,29 @@ def low_precision_knob(keys: frozenset[str]) -> dict[str, Any] | None:
 
 
 def matrix_for(backend: Any, world_size: int = 2, dtype: str | None = None) -> list[Case]:
+    """The conformance cases for ``backend``: :func:`_matrix` less the cases the backend says it
+    cannot run at ``world_size`` on this machine (its optional ``can_run(config, world_size)``
+    hook, e.g. XLA FSDP's CPU-device limits); those are logged with the backend's reason."""
+    import logging
+
+    import shardcore
+
+    obj = shardcore.get_backend(backend) if isinstance(backend, str) else backend
+    cases = _matrix(obj, world_size, dtype)
+    can_run = getattr(obj, "can_run", None)
+    if can_run is None:
+        return cases
+    kept = []
+    for c in cases:
+        reason = can_run(shardcore.parse_config(c.config), world_size)
+        if reason:
+            logging.getLogger(__name__).info("not run here: %s (%s)", c.name, reason)
+        else:
+            kept.append(c)
+    return kept
+
+
+def _matrix(backend: Any, world_size: int = 2, dtype: str | None = None) -> list[Case]:
     """The conformance cases for ``backend`` (object, registered name or ``module:Class``).
 
     ``dtype`` None: the fp32 matrix plus bf16 cases for each low-precision key the backend declares

@@ -14,16 +14,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardcore.backend import World
 from shardcore.config import ShardConfig
-from shardcore.distributed import ensure_process_group
-from shardcore.errors import DistributedSetupError
+from shardcore.distributed import TorchDistributedRuntime, ensure_process_group
 from shardcore.plan import WrapPlan
 
 log = logging.getLogger(__name__)
 
 
-class FSDP2Backend:
+class FSDP2Backend(TorchDistributedRuntime):
+    """world/barrier/all_reduce_sum/broadcast_object/local_batch come from TorchDistributedRuntime."""
+
     name = "fsdp2"
     install_hint = "pip install 'torch>=2.6' && pip install -e backends/fsdp2"
     supported_keys = frozenset(
@@ -43,16 +43,18 @@ class FSDP2Backend:
 
     def __init__(self) -> None:
         self._mesh = None
+        self._mesh_group = None
 
     # -- protocol -------------------------------------------------------------------------------
     def is_available(self) -> tuple[bool, str]:
-        if not dist.is_available():
-            return False, "this torch build has no torch.distributed"
+        ok, reason = super().is_available()
+        if not ok:
+            return ok, reason
         try:
             from torch.distributed.fsdp import fully_shard  # noqa: F401
         except ImportError:
             return False, f"torch {torch.__version__} has no public torch.distributed.fsdp.fully_shard (needs >= 2.6)"
-        return True, "cuda + nccl" if torch.cuda.is_available() else "cpu + gloo"
+        return ok, reason
 
     def apply(self, model: nn.Module, plan: WrapPlan, config: ShardConfig) -> nn.Module:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -74,42 +76,6 @@ class FSDP2Backend:
             self.load_full_state_dict(model, from_rank0[0])
             _broadcast_buffers(model, from_rank0[1], self._device())
         return model
-
-    def world(self) -> World:
-        if not dist.is_initialized():
-            return World(0, 1, self._device())
-        return World(dist.get_rank(), dist.get_world_size(), self._device())
-
-    def barrier(self) -> None:
-        if dist.is_initialized():
-            dist.barrier()
-
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            tensor = tensor.clone()
-            dist.all_reduce(tensor)
-        return tensor
-
-    def local_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's contiguous slice (along dim 0) of a global batch, on this rank's device."""
-        w = self.world()
-        out = {}
-        for k, v in batch.items():
-            if v.shape[0] % w.size:
-                raise DistributedSetupError(
-                    f"shardcore: batch field {k!r} has {v.shape[0]} rows, not divisible by world size "
-                    f"{w.size}. Use a global batch size that is a multiple of the world size."
-                )
-            n = v.shape[0] // w.size
-            out[k] = v[w.rank * n : (w.rank + 1) * n].to(w.device)
-        return out
-
-    def broadcast_object(self, obj: Any) -> Any:
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
 
     def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -156,15 +122,12 @@ class FSDP2Backend:
         from torch.distributed.device_mesh import init_device_mesh
 
         ensure_process_group(config.timeout, torch.cuda.is_available())
-        if self._mesh is None:
+        # a script may destroy the process group and start another (another size): the mesh follows
+        if self._mesh is None or self._mesh_group is not dist.group.WORLD:
+            self._mesh_group = dist.group.WORLD
             device_type = "cuda" if torch.cuda.is_available() else "cpu"
             self._mesh = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("fsdp",))
         return self._mesh
-
-    def _device(self) -> torch.device:
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
 
 
 def checkpoint_forward(module: nn.Module) -> None:

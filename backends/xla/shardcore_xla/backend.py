@@ -316,6 +316,14 @@ class XLABackend:
             return LaunchSpec(processes=1, env=env, group="spmd")
         return LaunchSpec(processes=1, env=env, group="fsdp", per_device=world_size > 1)
 
+    def can_run(self, config: ShardConfig, world_size: int) -> str | None:
+        """Why ``config`` cannot run on ``world_size`` devices of this machine's PJRT device, or None.
+        Decided from the environment, without starting an XLA runtime."""
+        device = os.environ.get("PJRT_DEVICE") or ("TPU" if _has_tpu() else "CPU")
+        if device == "CPU" and not config.xla_fsdp_v2 and world_size > 1:
+            return cpu_limit(config, world_size)
+        return None
+
     def run_on_devices(self, fn: Callable[[int], None]) -> None:
         """Run ``fn(ordinal)`` once per device (``xmp.spawn``), or once when SPMD drives them all."""
         import torch_xla.distributed.xla_multiprocessing as xmp
@@ -331,19 +339,9 @@ class XLABackend:
         from . import cpu_collectives
 
         if cpu_collectives.needed():
-            # Measured limits of the CPU workaround; TPUs have neither.
-            if xr.world_size() > 2:
-                raise BackendUnavailableError(
-                    f"shardcore xla: XLA FSDP (xla_fsdp_v2: false) on {xr.world_size()} CPU PJRT devices: torch_xla "
-                    "2.9's CPU collectives hang beyond 2 devices (pytorch/xla#9089). Use CPU_NUM_DEVICES=2, or "
-                    "xla_fsdp_v2: true (SPMD), which runs on any number of CPU devices."
-                )
-            if config.xla_fsdp_grad_ckpt:
-                raise BackendUnavailableError(
-                    "shardcore xla: xla_fsdp_grad_ckpt with XLA FSDP on several CPU PJRT devices desynchronises "
-                    "the device threads' collectives in torch_xla 2.9 (it runs on one CPU device and on TPU). "
-                    "Use one CPU device, or xla_fsdp_v2: true (SPMD) with xla_fsdp_grad_ckpt."
-                )
+            reason = cpu_limit(config, xr.world_size())
+            if reason:
+                raise BackendUnavailableError(f"shardcore xla: {reason}")
             cpu_collectives.install()
 
         return FSDP(
@@ -375,6 +373,24 @@ class XLABackend:
             auto_wrapper_callable=_unit_wrapper(FSDPv2, config.xla_fsdp_grad_ckpt),
             **kwargs,
         )
+
+
+def cpu_limit(config: ShardConfig, world_size: int) -> str | None:
+    """The measured limits of XLA FSDP over several CPU PJRT devices (cpu_collectives.py); TPUs
+    have neither."""
+    if world_size > 2:
+        return (
+            f"XLA FSDP (xla_fsdp_v2: false) on {world_size} CPU PJRT devices: torch_xla 2.9's CPU collectives "
+            "hang beyond 2 devices (pytorch/xla#9089). Use CPU_NUM_DEVICES=2, or xla_fsdp_v2: true (SPMD), "
+            "which runs on any number of CPU devices."
+        )
+    if config.xla_fsdp_grad_ckpt:
+        return (
+            "xla_fsdp_grad_ckpt with XLA FSDP on several CPU PJRT devices desynchronises the device threads' "
+            "collectives in torch_xla 2.9 (it runs on one CPU device and on TPU). Use one CPU device, or "
+            "xla_fsdp_v2: true (SPMD) with xla_fsdp_grad_ckpt."
+        )
+    return None
 
 
 def _unit_wrapper(wrapper_cls: type, grad_ckpt: bool) -> Callable[..., nn.Module]:

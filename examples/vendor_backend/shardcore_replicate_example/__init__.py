@@ -11,23 +11,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardcore.backend import World
 from shardcore.config import ShardConfig
-from shardcore.distributed import ensure_process_group
+from shardcore.distributed import TorchDistributedRuntime, ensure_process_group
+from shardcore.errors import CheckpointError
 from shardcore.plan import WrapPlan
 
 __all__ = ["ReplicateBackend"]
 
 
-class ReplicateBackend:
+class ReplicateBackend(TorchDistributedRuntime):
+    """world, barrier, all_reduce_sum, broadcast_object and local_batch (each rank its slice of the
+    global batch) come from shardcore's TorchDistributedRuntime."""
+
     name = "replicate-example"
     install_hint = "pip install -e examples/vendor_backend"
     supported_keys = frozenset({"timeout"})
-
-    def is_available(self) -> tuple[bool, str]:
-        if not dist.is_available():
-            return False, "this torch build has no torch.distributed"
-        return True, "cuda + nccl" if torch.cuda.is_available() else "cpu + gloo"
 
     def apply(self, model: nn.Module, plan: WrapPlan, config: ShardConfig) -> nn.Module:
         # the plan says which modules would be units; replication needs none of them
@@ -44,40 +42,7 @@ class ReplicateBackend:
                     p.register_post_accumulate_grad_hook(_average_grad)
         return model
 
-    def world(self) -> World:
-        if not dist.is_initialized():
-            return World(0, 1, self._device())
-        return World(dist.get_rank(), dist.get_world_size(), self._device())
-
-    def barrier(self) -> None:
-        if dist.is_initialized():
-            dist.barrier()
-
-    def broadcast_object(self, obj: Any) -> Any:
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
     # -- conformance hooks ----------------------------------------------------------------------
-    def local_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Rows ``[rank * n, (rank + 1) * n)`` of each field of a global batch."""
-        w = self.world()
-        out = {}
-        for k, v in batch.items():
-            if v.shape[0] % w.size:
-                raise ValueError(f"batch field {k!r}: {v.shape[0]} rows do not divide among {w.size} ranks")
-            n = v.shape[0] // w.size
-            out[k] = v[w.rank * n : (w.rank + 1) * n].to(w.device)
-        return out
-
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            tensor = tensor.clone()
-            dist.all_reduce(tensor)
-        return tensor
-
     def grad_sq_sum(self, model: nn.Module) -> torch.Tensor:
         """Sum of squared gradient entries of the whole model. Every rank holds all of it (already
         averaged), so no reduction: summing over ranks would count each entry world-size times."""
@@ -104,7 +69,7 @@ class ReplicateBackend:
                 problem = f"state dict does not fit {type(model).__name__}: missing {missing[:5]}, unexpected {unexpected[:5]}"
         problem = self.broadcast_object(problem)  # every rank raises, none waits in a broadcast below
         if problem:
-            raise KeyError(problem)
+            raise CheckpointError(f"shardcore.load: {problem}. Load a checkpoint of this model.")
         with torch.no_grad():
             for k, t in targets.items():
                 if k in state_dict:
@@ -122,11 +87,6 @@ class ReplicateBackend:
 
         osd = self.broadcast_object(osd)
         set_optimizer_state_dict(model, optimizer, osd, options=StateDictOptions(full_state_dict=True))
-
-    def _device(self) -> torch.device:
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
 
 
 def _average_grad(p: torch.Tensor) -> None:

@@ -180,6 +180,8 @@ def test_settings_pass_through_with_trainer_conversions():
         ({"compute_dtype": "bfloat17"}, "xla_fsdp_settings.compute_dtype", "not a dtype"),
         ({"flatten_parameters": "yes"}, "xla_fsdp_settings.flatten_parameters", "true or false"),
         ({"reduce_scatter_bucket_size_mb": -1}, "xla_fsdp_settings.reduce_scatter_bucket_size_mb", "non-negative integer"),
+        ({"reduce_scatter_bucket_size_mb": 10**5000}, "xla_fsdp_settings.reduce_scatter_bucket_size_mb", "digits"),
+        ({"flatten_parameters": [10**5000]}, "xla_fsdp_settings.flatten_parameters", "true or false"),
         ({"sharding_groups": [[0, "a"]]}, "xla_fsdp_settings.sharding_groups", "lists of device ordinals"),
         ({"auto_wrap_policy": "x"}, "xla_fsdp_settings.auto_wrap_policy", "wrap plan"),
         ({"param_init_fn": "x"}, "xla_fsdp_settings.param_init_fn", "callable"),

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from shardcore.backend import LaunchSpec, World
-from shardcore.config import ShardConfig, _dtype_name
+from shardcore.config import ShardConfig, _dtype_name, _show
 from shardcore.errors import BackendUnavailableError, ShardConfigError, ShardcoreError, UnknownKeyError
 from shardcore.plan import WrapPlan
 
@@ -467,13 +467,13 @@ def _convert(key: str, value: Any, default: Any) -> Any:
         return getattr(torch, _dtype_name(key, value))
     if isinstance(default, bool):
         if not isinstance(value, bool):
-            raise ShardConfigError(key, f"must be true or false, got {value!r}.")
+            raise ShardConfigError(key, f"must be true or false, got {_show(value)}.")
         return value
     if name in ("sharding_rank", "sharding_world_size", "reduce_scatter_bucket_size_mb") or isinstance(default, int):
         if value is None and default is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ShardConfigError(key, f"must be a non-negative integer, got {value!r}.")
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**31:
+            raise ShardConfigError(key, f"must be a non-negative integer below 2**31, got {_show(value)}.")
         return value
     if name == "sharding_groups":
         if value is None:
@@ -481,9 +481,9 @@ def _convert(key: str, value: Any, default: Any) -> Any:
         if not (isinstance(value, list) and value and all(
             isinstance(g, list) and g and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in g) for g in value
         )):
-            raise ShardConfigError(key, f"must be a list of lists of device ordinals, got {value!r}.")
+            raise ShardConfigError(key, f"must be a list of lists of device ordinals, got {_show(value)}.")
         return value
-    raise ShardConfigError(key, f"cannot be set from a config (value {value!r}).")  # pragma: no cover
+    raise ShardConfigError(key, f"cannot be set from a config (value {_show(value)}).")  # pragma: no cover
 
 
 # ---------------------------------------------------------------- helpers

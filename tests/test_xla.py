@@ -32,8 +32,9 @@ def _xla_env(devices: int) -> dict:
 
 def _assert_ok(result):
     assert result.ok, "\n".join(f"{v.case}: {v.reasons}" for v in result.failures())
-    for name, r in result.sharded.items():
-        assert r["losses"][0] != r["losses"][-1], name  # it trained
+    for v in result.verdicts:
+        losses = result.sharded[v.case]["losses"]
+        assert losses[0] != losses[-1], v.case  # it trained
 
 
 # --------------------------------------------------------------- parity against one device
@@ -48,30 +49,36 @@ def test_spmd_fsdpv2_parity_on_2_cpu_devices():
         Case("xla-spmd-llama-size", "llama", {**V2, "auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 2000}),
         Case("xla-spmd-llama-nowrap", "llama", {**V2, "auto_wrap_policy": "NO_WRAP"}),
         Case("xla-spmd-gpt2-tied", "gpt2", V2),
+        Case("xla-spmd-frozen-llama", "llama", V2, frozen=("model.embed_tokens.*", "model.layers.0.*")),
+        Case("xla-spmd-grad_accum-llama", "llama", V2, grad_accum=2),
+        Case("xla-spmd-buffers-mlp", "mlp_buffers", V2),
     ]
     _assert_ok(run_suite(cases, "xla", world_size=2, case_timeout=300))
 
 
 @pytest.mark.multiprocess
-def test_xla_fsdp_parity_on_2_cpu_devices():
-    """XlaFullyShardedDataParallel with a device per thread (xmp.spawn), collectives included."""
+def test_xla_fsdp_parity_on_one_cpu_device():
+    """XlaFullyShardedDataParallel for real (wrapping, settings, grad ckpt, state dicts) on one CPU
+    device, the only CPU device count it runs on (next test). (LlamaAttention as an XLA FSDP unit
+    diverges from step 1: see the README; the conformance matrix reports those cases as failures.)"""
     cases = [
         Case("xla-fsdp-mlp", "mlp", X),
-        Case("xla-fsdp-llama", "llama", X),
+        Case("xla-fsdp-llama-gc", "llama", {**X, "xla_fsdp_grad_ckpt": True}),
+        Case("xla-fsdp-llama-mlp-units", "llama", {**X, "transformer_layer_cls_to_wrap": ["LlamaMLP", "Embedding"]}),
         Case("xla-fsdp-llama-size-flat", "llama",
              {**X, "auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 2000, "xla_fsdp_settings": {"flatten_parameters": True}}),
+        Case("xla-fsdp-gpt2-tied", "gpt2", X),
+        Case("xla-fsdp-mlp-noreshard-dim0", "mlp", {**X, "reshard_after_forward": False, "xla_fsdp_settings": {"shard_param_on_dim_0": True}}),
         Case("xla-fsdp-llama-bf16", "llama", {**X, "xla_fsdp_settings": {"compute_dtype": "bfloat16"}}, dtype="bf16", lr=1e-3),
     ]
-    _assert_ok(run_suite(cases, "xla", world_size=2, case_timeout=300))
+    _assert_ok(run_suite(cases, "xla", world_size=1, case_timeout=300))
 
 
 @pytest.mark.multiprocess
-def test_xla_fsdp_one_device_grad_ckpt_and_settings():
-    cases = [
-        Case("xla-fsdp1-llama-gc", "llama", {**X, "xla_fsdp_grad_ckpt": True}),
-        Case("xla-fsdp1-mlp-noreshard", "mlp", {**X, "reshard_after_forward": False, "xla_fsdp_settings": {"shard_param_on_dim_0": True}}),
-    ]
-    _assert_ok(run_suite(cases, "xla", world_size=1, case_timeout=300))
+def test_xla_fsdp_on_several_cpu_devices_is_refused_clearly():
+    result = run_suite([Case("xla-fsdp-mlp-2dev", "mlp", X)], "xla", world_size=2, case_timeout=300)
+    reasons = " ".join(result.verdicts[0].reasons)
+    assert not result.ok and "pytorch/xla#9089" in reasons and "CPU_NUM_DEVICES=1" in reasons
 
 
 @pytest.mark.multiprocess
@@ -245,16 +252,20 @@ def test_xla_backend_is_registered_by_entry_point():
     assert info.available and info.target == "shardcore_xla:XLABackend"
 
 
-def test_matrix_leaves_out_what_cpu_devices_cannot_run(monkeypatch):
+def test_matrix_leaves_out_what_the_backend_refuses_or_cannot_run(monkeypatch):
     from shardcore_conformance.cases import matrix_for
 
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     backend = shardcore.get_backend("xla")
-    assert backend.can_run(parse_config({"xla": True, "xla_fsdp_grad_ckpt": True}), 2)
-    assert "beyond 2 devices" in backend.can_run(parse_config({"xla": True}), 4)
+    assert "pytorch/xla#9089" in backend.can_run(parse_config({"xla": True}), 2)
+    assert backend.can_run(parse_config({"xla": True}), 1) is None
     assert backend.can_run(parse_config({**V2, "xla_fsdp_grad_ckpt": True}), 4) is None
+    with pytest.raises(ShardConfigError):
+        backend.validate(parse_config({**V2, "reshard_after_forward": False}))
     two = matrix_for("xla", 2)
-    assert not [c.name for c in two if c.config.get("xla_fsdp_grad_ckpt") and not c.config.get("xla_fsdp_v2")]
-    assert [c for c in matrix_for("xla", 1) if c.config.get("xla_fsdp_grad_ckpt") and not c.config.get("xla_fsdp_v2")]
+    assert two and all(c.config.get("xla_fsdp_v2") for c in two)
+    assert not [c for c in two if c.config.get("reshard_after_forward") is False]
+    one = matrix_for("xla", 1)
+    assert [c for c in one if not c.config.get("xla_fsdp_v2") and c.config.get("xla_fsdp_grad_ckpt")]
     monkeypatch.setenv("PJRT_DEVICE", "TPU")
-    assert len(matrix_for("xla", 4)) == len(matrix_for("xla", 1))
+    assert len(matrix_for("xla", 4)) == len(one)

@@ -122,25 +122,33 @@ def low_precision_knob(keys: frozenset[str]) -> dict[str, Any] | None:
 
 
 def matrix_for(backend: Any, world_size: int = 2, dtype: str | None = None) -> list[Case]:
-    """The conformance cases for ``backend``: :func:`_matrix` less the cases the backend says it
-    cannot run at ``world_size`` on this machine (its optional ``can_run(config, world_size)``
-    hook, e.g. XLA FSDP's CPU-device limits); those are logged with the backend's reason."""
+    """The conformance cases for ``backend``: :func:`_matrix` less the combinations the backend
+    refuses (its optional ``validate(config)`` raises ShardConfigError, e.g. XLA's SPMD with
+    ``reshard_after_forward: false``) and the cases it says it cannot run at ``world_size`` on this
+    machine (its optional ``can_run(config, world_size)``, e.g. XLA FSDP on several CPU devices).
+    Each left-out case is logged with the backend's reason."""
     import logging
 
     import shardcore
 
+    log = logging.getLogger(__name__)
     obj = shardcore.get_backend(backend) if isinstance(backend, str) else backend
-    cases = _matrix(obj, world_size, dtype)
+    validate = getattr(obj, "validate", None)
     can_run = getattr(obj, "can_run", None)
-    if can_run is None:
-        return cases
     kept = []
-    for c in cases:
-        reason = can_run(shardcore.parse_config(c.config), world_size)
+    for c in _matrix(obj, world_size, dtype):
+        cfg = shardcore.parse_config(c.config)
+        try:
+            if validate is not None:
+                validate(cfg)
+        except shardcore.ShardConfigError as e:
+            log.info("left out: %s (the backend refuses the combination: %s)", c.name, e)
+            continue
+        reason = can_run(cfg, world_size) if can_run is not None else None
         if reason:
-            logging.getLogger(__name__).info("not run here: %s (%s)", c.name, reason)
-        else:
-            kept.append(c)
+            log.info("not run here: %s (%s)", c.name, reason)
+            continue
+        kept.append(c)
     return kept
 
 

@@ -157,10 +157,7 @@ class XLABackend:
         """Cut and run the step's lazy graph (``torch_xla.sync()``); call it after ``optimizer.step()``."""
         import torch_xla
 
-        from . import cpu_collectives
-
         torch_xla.sync()
-        cpu_collectives.reset()
 
     def compile_count(self) -> int:
         """XLA compilations so far in this process (torch_xla's ``UncachedCompile`` counter)."""
@@ -310,11 +307,14 @@ class XLABackend:
         env["PJRT_DEVICE"] = device
         if device == "CPU":
             env["CPU_NUM_DEVICES"] = str(world_size)
-            # the CPU collectives workaround (cpu_collectives.py) is reliable with the synchronous client
-            env["PJRT_CPU_ASYNC_CLIENT"] = "0"
         if config.xla_fsdp_v2:
             return LaunchSpec(processes=1, env=env, group="spmd")
         return LaunchSpec(processes=1, env=env, group="fsdp", per_device=world_size > 1)
+
+    def validate(self, config: ShardConfig) -> None:
+        """Raise ShardConfigError for a combination of keys this backend refuses (without devices)."""
+        if config.xla_fsdp_v2:
+            spmd_kwargs(config)
 
     def can_run(self, config: ShardConfig, world_size: int) -> str | None:
         """Why ``config`` cannot run on ``world_size`` devices of this machine's PJRT device, or None.
@@ -336,13 +336,8 @@ class XLABackend:
         import torch_xla.runtime as xr
         from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
 
-        from . import cpu_collectives
-
-        if cpu_collectives.needed():
-            reason = cpu_limit(config, xr.world_size())
-            if reason:
-                raise BackendUnavailableError(f"shardcore xla: {reason}")
-            cpu_collectives.install()
+        if xr.device_type() == "CPU" and xr.world_size() > 1:
+            raise BackendUnavailableError(f"shardcore xla: {cpu_limit(config, xr.world_size())}")
 
         return FSDP(
             _to_device_keeping_ties(model, torch_xla.device()),
@@ -375,22 +370,15 @@ class XLABackend:
         )
 
 
-def cpu_limit(config: ShardConfig, world_size: int) -> str | None:
-    """The measured limits of XLA FSDP over several CPU PJRT devices (cpu_collectives.py); TPUs
-    have neither."""
-    if world_size > 2:
-        return (
-            f"XLA FSDP (xla_fsdp_v2: false) on {world_size} CPU PJRT devices: torch_xla 2.9's CPU collectives "
-            "hang beyond 2 devices (pytorch/xla#9089). Use CPU_NUM_DEVICES=2, or xla_fsdp_v2: true (SPMD), "
-            "which runs on any number of CPU devices."
-        )
-    if config.xla_fsdp_grad_ckpt:
-        return (
-            "xla_fsdp_grad_ckpt with XLA FSDP on several CPU PJRT devices desynchronises the device threads' "
-            "collectives in torch_xla 2.9 (it runs on one CPU device and on TPU). Use one CPU device, or "
-            "xla_fsdp_v2: true (SPMD) with xla_fsdp_grad_ckpt."
-        )
-    return None
+def cpu_limit(config: ShardConfig, world_size: int) -> str:
+    """Why XLA FSDP does not run on several CPU PJRT devices (TPUs are not affected)."""
+    return (
+        f"XLA FSDP (xla_fsdp_v2: false) on {world_size} CPU PJRT devices: torch_xla 2.9 builds its "
+        "collectives without a channel id, XLA:CPU then keys them by each device thread's own compiled "
+        "module, and the threads never meet (rendezvous timeout; pytorch/xla#9089, #5005; torch_xla's own "
+        "CI runs these tests on one CPU device). Use one CPU device (CPU_NUM_DEVICES=1), xla_fsdp_v2: true "
+        "(SPMD, any number of CPU devices), or a TPU."
+    )
 
 
 def _unit_wrapper(wrapper_cls: type, grad_ckpt: bool) -> Callable[..., nn.Module]:
@@ -541,11 +529,8 @@ def _consolidate_fsdp(model: nn.Module) -> dict[str, Any]:
     if world == 1:
         per_rank = [{k: v.cpu() for k, v in sd.items()}]
     else:
-        from . import cpu_collectives
-
         gathered = {k: xm.all_gather(v.unsqueeze(0), dim=0) for k, v in sd.items()}
         torch_xla.sync()
-        cpu_collectives.reset()
         per_rank = [{k: g[r].cpu() for k, g in gathered.items()} for r in range(world)]
     full = consolidate_sharded_state_dicts(per_rank, meta)
     return {_strip_wrappers(k): v.detach().cpu().clone() for k, v in full.items()}

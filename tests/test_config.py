@@ -108,16 +108,6 @@ def test_accelerate_yaml_without_version_is_fsdp1(tmp_path):
         parse_config(p)
 
 
-def test_accelerate_yaml_errors(tmp_path):
-    p = tmp_path / "a.yaml"
-    p.write_text("distributed_type: MULTI_GPU\nfsdp_config: {fsdp_version: 2}\n")
-    with pytest.raises(ShardConfigError, match="distributed_type"):
-        parse_config(p)
-    p.write_text("distributed_tpye: FSDP\nfsdp_config: {fsdp_version: 2}\n")
-    with pytest.raises(UnknownKeyError, match="distributed_type"):
-        parse_config(p)
-
-
 def test_training_arguments(tmp_path):
     from transformers import TrainingArguments
 
@@ -212,16 +202,25 @@ def test_errors_name_key_value_and_fix(raw, key, fragment):
     assert isinstance(e.value, shardcore.ShardcoreError)
 
 
-def test_bad_sources(tmp_path):
-    with pytest.raises(ShardConfigError, match="not a file"):
-        parse_config(tmp_path / "missing.json")
-    bad = tmp_path / "bad.json"
-    bad.write_text("{not json")
-    with pytest.raises(ShardConfigError, match="not valid JSON"):
-        parse_config(bad)
-    bad.write_text("[1, 2]")
-    with pytest.raises(ShardConfigError, match="JSON object"):
-        parse_config(bad)
+@pytest.mark.parametrize(
+    "name, text, error, fragment",
+    [
+        ("missing.json", None, ShardConfigError, "not a file"),
+        ("bad.json", "{not json", ShardConfigError, "not valid JSON"),
+        ("list.json", "[1, 2]", ShardConfigError, "JSON object"),
+        ("a.yaml", "distributed_type: MULTI_GPU\nfsdp_config: {fsdp_version: 2}\n", ShardConfigError, "distributed_type"),
+        ("b.yaml", "distributed_tpye: FSDP\nfsdp_config: {fsdp_version: 2}\n", UnknownKeyError, "distributed_type"),
+    ],
+)
+def test_bad_config_files(tmp_path, name, text, error, fragment):
+    p = tmp_path / name
+    if text is not None:
+        p.write_text(text)
+    with pytest.raises(error, match=fragment):
+        parse_config(p)
+
+
+def test_bad_source_type():
     with pytest.raises(ShardConfigError, match="cannot read a config"):
         parse_config(42)
 

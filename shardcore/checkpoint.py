@@ -438,11 +438,9 @@ def _aliases(model: nn.Module) -> dict[str, str]:
     """Tied parameters: ``{name that is not stored: name that is}``, as ``save_pretrained`` decides
     (the names a Transformers model lists in ``_tied_weights_keys`` are the ones dropped).
     A backend whose wrappers rename parameters answers for its models (``tied_aliases(model)``)."""
-    from .api import _HANDLE_ATTR
-
-    backend = getattr(getattr(model, _HANDLE_ATTR, None), "backend", None)
-    if getattr(backend, "tied_aliases", None) is not None:
-        return backend.tied_aliases(model)
+    tied_aliases = getattr(_runtime(model)[0], "tied_aliases", None)
+    if tied_aliases is not None:
+        return tied_aliases(model)
     groups: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         groups.setdefault(id(p), []).append(name)
@@ -607,10 +605,7 @@ def _expected_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
 
     A backend whose wrappers rename or flatten parameters (XLA FSDP) says it itself through
     ``full_state_dict_shapes(model)``."""
-    from .api import _HANDLE_ATTR
-
-    backend = getattr(getattr(model, _HANDLE_ATTR, None), "backend", None)
-    shapes = getattr(backend, "full_state_dict_shapes", None)
+    shapes = getattr(_runtime(model)[0], "full_state_dict_shapes", None)
     if shapes is not None:
         return shapes(model)
     return {k: tuple(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}

@@ -202,11 +202,22 @@ class XLABackend:
     def load_full_state_dict(self, model: nn.Module, state_dict: dict[str, Any]) -> None:
         """Put an unsharded state dict (read on rank 0 only) into the sharded model, each rank taking
         its shard the way the wrapper laid it out."""
-        state_dict = self._broadcast_tensors(state_dict)
-        if self._spmd:
-            _load_spmd(model, state_dict)
-        else:
-            _load_fsdp(model, state_dict)
+        sd = self._broadcast_tensors(state_dict)
+        layout = _param_layout(model)
+        missing = [n for p in model.parameters() for n, _ in layout[id(p)] if n not in sd]
+        if missing:
+            raise ShardcoreError(f"shardcore.load: the state dict lacks {missing[:5]} (and {max(0, len(missing) - 5)} more).")
+        with torch.no_grad():
+            for p in model.parameters():
+                flat = torch.cat([sd[n].detach().reshape(-1).to(p.dtype) for n, _ in layout[id(p)]])
+                if self._spmd:
+                    p.data = self._reshard(p, flat)  # a fresh tensor carrying the sharding annotation
+                else:
+                    p.copy_(self._reshard(p, flat))
+            for bname, b in model.named_buffers():
+                key = _strip_wrappers(bname)
+                if key in sd:
+                    b.copy_(sd[key].to(b.device, b.dtype))
         self.step_end()
 
     def full_optimizer_state_dict(self, model: nn.Module, optimizer: Any) -> dict[str, Any]:
@@ -599,23 +610,6 @@ def _fsdp_shard(full: torch.Tensor, like: torch.Tensor, rank: int, world: int) -
     return padded[rank * rows : (rank + 1) * rows].clone()
 
 
-def _load_fsdp(model: nn.Module, sd: dict[str, Any]) -> None:
-    import torch_xla.runtime as xr
-
-    layout = _param_layout(model)
-    missing = [n for p in model.parameters() for n, _ in layout[id(p)] if n not in sd]
-    if missing:
-        raise ShardcoreError(f"shardcore.load: the state dict lacks {missing[:5]} (and {max(0, len(missing) - 5)} more).")
-    with torch.no_grad():
-        for p in model.parameters():
-            full = torch.cat([sd[n].detach().reshape(-1).to(p.dtype) for n, _ in layout[id(p)]])
-            p.copy_(_fsdp_shard(full, p, xr.global_ordinal(), xr.world_size()).to(p.device))
-        for bname, b in model.named_buffers():
-            key = _strip_wrappers(bname)
-            if key in sd:
-                b.copy_(sd[key].to(b.device, b.dtype))
-
-
 def _like_spmd_param(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """``value`` on the XLA device with the same SPMD sharding as ``p``."""
     import torch_xla
@@ -625,23 +619,6 @@ def _like_spmd_param(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     t = value.to(torch_xla.device(), p.dtype)
     xs.mark_sharding(t, xs.get_global_mesh(), _prepare_spmd_partition_spec(t, shard_maximal=True))
     return t
-
-
-def _load_spmd(model: nn.Module, sd: dict[str, Any]) -> None:
-    missing = []
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            key = _strip_wrappers(name)
-            if key not in sd:
-                missing.append(key)
-                continue
-            p.data = _like_spmd_param(p, sd[key])
-        for bname, b in model.named_buffers():
-            key = _strip_wrappers(bname)
-            if key in sd:
-                b.copy_(sd[key].to(b.device, b.dtype))
-    if missing:
-        raise ShardcoreError(f"shardcore.load: the state dict lacks {missing[:5]} (and {max(0, len(missing) - 5)} more).")
 
 
 def _call_with_ordinal(index: int, fn: Callable[[int], None]) -> None:

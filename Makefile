@@ -6,7 +6,7 @@ PYTHON ?= python3
 STAMP  := $(VENV)/.shardcore-installed
 DEPS   := requirements.txt pyproject.toml backends/fsdp2/pyproject.toml backends/xla/pyproject.toml conformance/pyproject.toml
 
-.PHONY: setup demo test conformance clean
+.PHONY: setup demo test conformance conformance-xla clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,13 @@ test: setup
 
 conformance: setup
 	$(VENV)/bin/shardcore-conformance --backend fsdp2 --world-size 2 --report conformance-report
+
+# The whole XLA matrix (XLA FSDP and SPMD) on 1, 2 and 4 CPU PJRT devices; reports in
+# conformance-report/xla-N. Runs every device count, then fails if any failed.
+conformance-xla: setup
+	status=0; for n in 1 2 4; do \
+	  PJRT_DEVICE=CPU $(VENV)/bin/shardcore-conformance --backend xla --world-size $$n --report conformance-report/xla-$$n || status=1; \
+	done; exit $$status
 
 clean:
 	rm -rf $(VENV)

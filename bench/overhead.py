@@ -6,9 +6,16 @@ sharded by hand-written ``fully_shard`` calls (each decoder layer, then the root
 Both live in the same processes and train in alternating steps (ABBA order), so machine noise hits
 both alike; the printed figure is median(shardcore step) / median(hand-written step). Goal <= 1.01.
 
-XLA part (``--xla``): the same comparison for the XLA backend against hand-written torch_xla SPMD
-FSDP (``SpmdFullyShardedDataParallel`` over a ("fsdp", "model") mesh), on 2 PJRT CPU devices in one
-process (``PJRT_DEVICE=CPU CPU_NUM_DEVICES=2``), ``torch_xla.sync()`` after every step.
+XLA part (``--xla``): the same comparison for the XLA backend in both modes, on 2 PJRT CPU devices
+(``PJRT_DEVICE=CPU CPU_NUM_DEVICES=2``):
+
+* SPMD: against hand-written torch_xla SPMD FSDP (``SpmdFullyShardedDataParallel`` over a
+  ("fsdp", "model") mesh), one process, ``torch_xla.sync()`` after every step;
+* XLA FSDP: against hand-written nested ``XlaFullyShardedDataParallel`` (each decoder layer, then the
+  root), both on 2 device threads under ``xmp.spawn`` with the same CPU recipe (serialized step sync,
+  unpinned collective layouts, ``PJRT_CPU_ASYNC_CLIENT=0``). Besides step times it reports the CPU
+  time of the whole process per step (both devices' work; the two variants never overlap) and the
+  XLA compilations during the timed steps (goal 0).
 
     python bench/overhead.py                 # FSDP2, writes bench/results/overhead.json
     python bench/overhead.py --xla           # and the XLA backend, if it is installed
@@ -135,15 +142,16 @@ def xla_available() -> tuple[bool, str]:
     return ok, reason
 
 
-def run_xla(size: str, steps: int, warmup: int, timeout_s: float = 1800) -> dict:
+def run_xla(size: str, steps: int, warmup: int, timeout_s: float = 1800, mode: str = "spmd") -> dict:
     """In a child process: PJRT/SPMD settings are global to a process and must precede torch_xla."""
     import json
     import tempfile
 
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="2")
     env.pop("USE_TORCH_XLA", None)
+    child = "--_xla-child" if mode == "spmd" else "--_xla-fsdp-child"
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        cmd = [sys.executable, __file__, "--_xla-child", f.name, "--size", size, "--steps", str(steps), "--warmup", str(warmup)]
+        cmd = [sys.executable, __file__, child, f.name, "--size", size, "--steps", str(steps), "--warmup", str(warmup)]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
         if out.returncode != 0:
             return {"backend": "xla", "error": out.stderr[-4000:]}
@@ -226,6 +234,96 @@ def _xla_child(path: str, size: str, steps: int, warmup: int) -> None:
     }))
 
 
+def _xla_fsdp_child(path: str, size: str, steps: int, warmup: int) -> None:
+    """XLA FSDP on 2 CPU device threads: shardcore against the same wrapping written by hand."""
+    import json
+    import threading
+
+    import shardcore
+
+    backend = shardcore.get_backend("xla")
+    lock, barrier = threading.Lock(), threading.Barrier(int(os.environ["CPU_NUM_DEVICES"]), timeout=600)
+    results: dict[int, dict] = {}
+
+    def serialized_sync() -> None:  # the CPU recipe, as a hand-written torch_xla script has it
+        import torch_xla
+
+        barrier.wait()
+        with lock:
+            torch_xla.sync()
+        barrier.wait()
+
+    def hand(model):
+        import torch_xla
+        from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
+
+        model.to(torch_xla.device())
+        for i, layer in enumerate(model.model.layers):
+            model.model.layers[i] = FSDP(layer, reshard_after_forward=True, pin_layout_in_collective_ops=False)
+        return FSDP(model, reshard_after_forward=True, pin_layout_in_collective_ops=False)
+
+    # seeding inside device threads races (one global generator): build the weights once, here
+    init = build_llama(size).state_dict()
+
+    def fresh():
+        model = build_llama(size)
+        model.load_state_dict(init)
+        return model
+
+    def device(rank: int) -> None:
+        import torch_xla
+        import torch_xla.debug.metrics as met
+
+        models = {"shardcore": shardcore.shard(fresh(), {**CONFIG, "xla": True}), "hand": hand(fresh())}
+        ends = {"shardcore": shardcore.handle(models["shardcore"]).backend.step_end, "hand": serialized_sync}
+        opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
+        times = {k: [] for k in models}
+        cpu = {k: [] for k in models}
+        losses = {k: [] for k in models}
+        compiles = None
+        for i in range(warmup + steps):
+            if i == warmup:
+                compiles = met.counter_value("UncachedCompile") or 0
+            order = ["shardcore", "hand"] if i % 2 == 0 else ["hand", "shardcore"]
+            for k in order:
+                data = batch(size, i, rank, torch_xla.device())
+                serialized_sync()
+                xm_wait()
+                barrier.wait()
+                t0, c0 = time.perf_counter(), time.process_time()
+                loss = models[k](**data).loss
+                loss.backward()
+                opts[k].step()
+                opts[k].zero_grad(set_to_none=True)
+                ends[k]()
+                xm_wait()
+                barrier.wait()  # both devices' work of this step is inside [t0, now]
+                if i >= warmup:
+                    times[k].append(time.perf_counter() - t0)
+                    cpu[k].append(time.process_time() - c0)
+                losses[k].append(float(loss.detach().cpu()))
+        results[rank] = {"times": times, "cpu": cpu, "losses": losses,
+                         "compiles_after_warmup": (met.counter_value("UncachedCompile") or 0) - compiles}
+
+    backend.run_on_devices(device)
+    r = results[0]
+    sc, hd = r["times"]["shardcore"], r["times"]["hand"]
+    gap = max(abs(a - b) for a, b in zip(r["losses"]["shardcore"], r["losses"]["hand"]))
+    assert gap < 1e-3 * max(1.0, abs(r["losses"]["hand"][0])), f"XLA FSDP losses diverged by {gap}"
+    Path(path).write_text(json.dumps({
+        "backend": "xla-fsdp", "mode": "XLA FSDP (XlaFullyShardedDataParallel), device threads", "devices": len(results),
+        "device": "PJRT CPU", "model": {"size": size, **LLAMA_SIZES[size]}, "steps": steps, "warmup": warmup,
+        "step_s": {"shardcore": summary(sc), "hand_written": summary(hd)},
+        "ratio_of_medians": statistics.median(sc) / statistics.median(hd),
+        "paired_ratio": summary([a / b for a, b in zip(sc, hd)]),
+        "cpu_s": {"shardcore": summary(r["cpu"]["shardcore"]), "hand_written": summary(r["cpu"]["hand"])},
+        "cpu_ratio_of_medians": statistics.median(r["cpu"]["shardcore"]) / statistics.median(r["cpu"]["hand"]),
+        "compiles_after_warmup": r["compiles_after_warmup"],
+        "max_loss_gap": gap,
+        "goal": "CPU time ratio <= 1.01, 0 compilations after warm-up",
+    }))
+
+
 def xm_wait() -> None:
     import torch_xla.core.xla_model as xm
 
@@ -247,6 +345,7 @@ def report(r: dict) -> str:
         f"(paired median {r['paired_ratio']['median']:.3f}, IQR {r['paired_ratio']['q1']:.3f}-{r['paired_ratio']['q3']:.3f}, "
         f"n={r['steps']})"
         + (f"; CPU time ratio {r['cpu_ratio_of_medians']:.3f}" if "cpu_ratio_of_medians" in r else "")
+        + (f"; compilations after warm-up {r['compiles_after_warmup']}" if "compiles_after_warmup" in r else "")
     )
 
 
@@ -259,17 +358,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--xla", action="store_true", help="also compare the XLA backend with hand-written torch_xla SPMD FSDP")
     ap.add_argument("--out", help="result JSON (default bench/results/overhead.json)")
     ap.add_argument("--_xla-child", dest="xla_child", help=argparse.SUPPRESS)
+    ap.add_argument("--_xla-fsdp-child", dest="xla_fsdp_child", help=argparse.SUPPRESS)
+    ap.add_argument("--only-xla", action="store_true", help="skip the FSDP2 comparison (with --xla)")
     args = ap.parse_args(argv)
     if args.xla_child:
         _xla_child(args.xla_child, args.size, args.steps, args.warmup)
         return 0
+    if args.xla_fsdp_child:
+        _xla_fsdp_child(args.xla_fsdp_child, args.size, args.steps, args.warmup)
+        return 0
 
-    results = [run_fsdp2(args.size, args.steps, args.warmup, args.world_size)]
-    print(report(results[0]), flush=True)
-    if args.xla:
-        ok, reason = xla_available()
-        results.append(run_xla(args.size, args.steps, args.warmup) if ok else {"backend": "xla", "skipped": reason})
+    results = []
+    if not args.only_xla:
+        results.append(run_fsdp2(args.size, args.steps, args.warmup, args.world_size))
         print(report(results[-1]), flush=True)
+    if args.xla or args.only_xla:
+        ok, reason = xla_available()
+        for mode in ("spmd", "fsdp"):
+            results.append(run_xla(args.size, args.steps, args.warmup, mode=mode) if ok else {"backend": f"xla-{mode}", "skipped": reason})
+            print(report(results[-1]), flush=True)
     path = write_result("overhead", {"results": results}, args.out)
     print(f"written: {path}")
     return 1 if any("error" in r for r in results) else 0

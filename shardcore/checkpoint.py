@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
@@ -128,7 +129,7 @@ def load(
     runtime, cfg = _runtime(model)
     src = _resolve_checkpoint(path)
     manifest = _read_manifest(src)
-    kind = manifest.get("state_dict_type") or (SHARDED if (src / DCP_METADATA).is_file() else FULL)
+    kind = manifest.get("state_dict_type") or (SHARDED if (src / DCP_METADATA).is_file() or (src / SHARD_INDEX).is_file() else FULL)
     if kind == SHARDED:
         if cfg is None:
             raise CheckpointError(
@@ -177,6 +178,22 @@ def from_pretrained(
 
     cfg = parse_config(config)
     rank = env_world()[0]
+    if cfg.cpu_ram_efficient_loading and rank == 0 and not cfg.xla_fsdp_v2:
+        # ranks that are not launcher processes (XLA FSDP's device threads) know their rank from the backend
+        from .backend import resolve_backend
+
+        rank = resolve_backend(cfg, backend).world().rank
+    with _BUILD_LOCK:
+        model = _build_pretrained(model_cls, path, cfg, rank, kwargs)
+    return shard(model, cfg, backend=backend)
+
+
+# Device threads (XLA FSDP on CPU) may call from_pretrained at once, and Transformers' lazy module
+# loading is not thread-safe; building one model at a time costs the other ranks nothing but a wait.
+_BUILD_LOCK = threading.Lock()
+
+
+def _build_pretrained(model_cls: Any, path: str | os.PathLike, cfg: ShardConfig, rank: int, kwargs: dict[str, Any]) -> nn.Module:
     if cfg.cpu_ram_efficient_loading and rank != 0:
         try:
             from transformers import AutoConfig
@@ -188,10 +205,8 @@ def from_pretrained(
         build_kwargs = {k: kwargs[k] for k in ("dtype", "torch_dtype", "attn_implementation", "trust_remote_code") if k in kwargs}
         build = getattr(model_cls, "from_config", None) or getattr(model_cls, "_from_config")
         with torch.device("meta"):
-            model = build(hf_config, **build_kwargs)
-    else:
-        model = model_cls.from_pretrained(path, **kwargs)
-    return shard(model, cfg, backend=backend)
+            return build(hf_config, **build_kwargs)
+    return model_cls.from_pretrained(path, **kwargs)
 
 
 # ------------------------------------------------------------------------------------ runtimes
@@ -639,9 +654,24 @@ def _check_keys(
     )
 
 
+#: the index a backend writes beside its own per-rank shards where torch.distributed.checkpoint
+#: cannot be used (XLA FSDP's device threads have no torch.distributed group): JSON with ``keys``
+#: (unwrapped name -> global shape) and ``optimizer`` (whether optimizer state is in it)
+SHARD_INDEX = "shards.json"
+
+
 def _check_sharded(model: nn.Module, src: Path, optimizer: Any) -> None:
     from torch.distributed.checkpoint import FileSystemReader
 
+    index = src / SHARD_INDEX
+    if index.is_file() and not (src / DCP_METADATA).is_file():
+        try:
+            data = json.loads(index.read_text())
+            found, has_optimizer = {k: tuple(v) for k, v in data["keys"].items()}, bool(data["optimizer"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"shardcore.load: {str(index)!r} is not a readable shard index ({e!r}). Save it again.") from None
+        _check_found(model, src, optimizer, found, has_optimizer)
+        return
     try:
         md = FileSystemReader(str(src)).read_metadata()
     except Exception as e:  # noqa: BLE001 - DCP raises several types
@@ -657,6 +687,10 @@ def _check_sharded(model: nn.Module, src: Path, optimizer: Any) -> None:
                 found[key[len("model."):]] = tuple(size)
         elif key.startswith("optimizer."):
             has_optimizer = True
+    _check_found(model, src, optimizer, found, has_optimizer)
+
+
+def _check_found(model: nn.Module, src: Path, optimizer: Any, found: dict[str, tuple[int, ...]], has_optimizer: bool) -> None:
     _check_keys(_expected_shapes(model), found, _aliases(model), str(src))
     if optimizer is not None and not has_optimizer:
         raise CheckpointError(

@@ -59,3 +59,16 @@ def test_memory_tiny_matches_goal_and_estimate(tmp_path):
 def test_gpu_script_without_cuda_says_so_and_exits_0():
     out = _run("gpu.py", timeout=120)
     assert "no CUDA device" in out.stdout
+
+
+def test_overhead_xla_tiny_compares_both_modes_without_recompiling(tmp_path):
+    pytest.importorskip("torch_xla", reason="the XLA comparison needs torch_xla")
+    res = tmp_path / "overhead.json"
+    out = _run("overhead.py", "--only-xla", "--size", "tiny", "--steps", "2", "--warmup", "2", "--out", str(res), timeout=600)
+    results = {r["backend"]: r for r in json.loads(res.read_text())["results"]}
+    assert set(results) == {"xla", "xla-fsdp"}, out.stdout
+    fsdp = results["xla-fsdp"]
+    assert fsdp["devices"] == 2 and fsdp["step_s"]["shardcore"]["n"] == 2
+    assert math.isfinite(fsdp["cpu_ratio_of_medians"]) and fsdp["cpu_ratio_of_medians"] > 0
+    assert fsdp["compiles_after_warmup"] == 0, fsdp  # a count: every timed step reuses the warm-up's graphs
+    assert "compilations after warm-up 0" in out.stdout

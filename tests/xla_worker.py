@@ -6,9 +6,22 @@
     python xla_worker.py load     MODE CKPT OUT        -> shardcore.load CKPT into a sharded model,
                                                           full_state_dict to OUT
     python xla_worker.py forwards MODE GC              -> JSON: forward calls of a unit's MLP in one step
-MODE is "spmd" (xla_fsdp_v2) or "fsdp" (XlaFullyShardedDataParallel, one device).
+    python xla_worker.py resume   MODE FORMAT IN OUT   -> loads IN (a checkpoint; "-": none) into a sharded
+                                                          model and AdamW, dumps both to OUT/loaded.safetensors,
+                                                          trains 2 steps, saves FORMAT to OUT/ckpt and dumps
+                                                          the state saved to OUT/saved.safetensors
+    python xla_worker.py efficient MODE HF_DIR         -> shardcore.from_pretrained with cpu_ram_efficient_loading:
+                                                          JSON of which ranks read the files, the largest
+                                                          parameter and buffer differences from the files
+    python xla_worker.py spawn    MODE                 -> xmp.spawn straight away (no shardcore launcher):
+                                                          prints the error shard() raises, as JSON
+MODE is "spmd" (xla_fsdp_v2) or "fsdp" (XlaFullyShardedDataParallel). With "fsdp" and CPU_NUM_DEVICES
+> 1 the command runs once per device thread (the backend's run_on_devices, i.e. xmp.spawn) and rank 0
+prints.
 """
+import functools
 import json
+import os
 import sys
 
 import torch
@@ -19,8 +32,8 @@ import shardcore
 from shardcore_conformance.models import build_model, loss_fn, make_batches
 
 
-def sharded_llama(mode: str, grad_ckpt: bool = False, hook=None):
-    cfg = {"xla": True, "xla_fsdp_v2": mode == "spmd", "xla_fsdp_grad_ckpt": grad_ckpt}
+def sharded_llama(mode: str, grad_ckpt: bool = False, hook=None, **extra):
+    cfg = {"xla": True, "xla_fsdp_v2": mode == "spmd", "xla_fsdp_grad_ckpt": grad_ckpt, **extra}
     model = build_model("llama", 0)
     if hook is not None:
         model.model.layers[0].mlp.register_forward_hook(hook)
@@ -28,8 +41,18 @@ def sharded_llama(mode: str, grad_ckpt: bool = False, hook=None):
     return model, shardcore.handle(model).backend
 
 
-def train(model, backend, steps: int, after_step=None):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+def dump(backend, model, opt, path: str, rank: int) -> None:
+    """The full model and optimizer state, as one safetensors file (rank 0 writes it)."""
+    tensors = {f"model.{k}": v for k, v in backend.full_state_dict(model).items()}
+    osd = backend.full_optimizer_state_dict(model, opt)
+    for name, st in osd["state"].items():
+        tensors.update({f"optimizer.{name}.{k}": v for k, v in st.items() if isinstance(v, torch.Tensor)})
+    if rank == 0:
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, path)
+
+
+def train(model, backend, steps: int, after_step=None, opt=None):
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-2)
     for i, batch in enumerate(make_batches("llama", steps, 8, 0)):
         loss = loss_fn("llama", model, backend.local_batch(batch))
         loss.backward()
@@ -42,27 +65,102 @@ def train(model, backend, steps: int, after_step=None):
     return opt
 
 
+def efficient(mode: str, hf_dir: str, rank: int, emit) -> None:
+    import threading
+
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    reads, lock = [], threading.Lock()
+
+    class CountingLlama(LlamaForCausalLM):
+        @classmethod
+        def from_pretrained(cls, *args, **kwargs):
+            with lock:
+                reads.append(rank)
+            return super().from_pretrained(*args, **kwargs)
+
+    cfg = {"xla": True, "xla_fsdp_v2": mode == "spmd", "cpu_ram_efficient_loading": True}
+    model = shardcore.from_pretrained(CountingLlama, hf_dir, cfg)
+    backend = shardcore.handle(model).backend
+    want = load_file(f"{hf_dir}/model.safetensors")
+    got = backend.full_state_dict(model)
+    param_diff = max(float((got[k] - v).abs().max()) for k, v in want.items())
+    plain = dict(build_model("llama", 0).named_buffers())  # inv_freq: computed, in no file
+    buffer_diff, buffers = 0.0, 0
+    for k, b in model.named_buffers():
+        name = k.replace("_fsdp_wrapped_module.", "").replace("_fpw_module.", "")
+        if name in plain:
+            buffer_diff, buffers = max(buffer_diff, float((b.cpu() - plain[name]).abs().max())), buffers + 1
+    worst = backend.all_reduce_sum(torch.tensor([buffer_diff, buffers]).to(backend.world().device)).cpu()
+    backend.barrier()
+    emit(json.dumps({"reads": sorted(reads), "param_diff": param_diff, "buffer_diff_sum": float(worst[0]),
+                     "buffers": int(worst[1]), "keys": len(want)}), flush=True)
+
+
 def main() -> None:
     cmd, mode = sys.argv[1], sys.argv[2]
+    if cmd == "spawn":
+        import torch_xla.distributed.xla_multiprocessing as xmp
+
+        xmp.spawn(_shard_and_report, args=(mode,))
+        return
+    devices = int(os.environ.get("CPU_NUM_DEVICES", "1"))
+    if mode == "fsdp" and devices > 1:
+        shardcore.get_backend("xla").run_on_devices(functools.partial(run, cmd, mode))
+    else:
+        run(cmd, mode, 0)
+
+
+def _shard_and_report(index: int, mode: str) -> None:
+    try:
+        sharded_llama(mode)
+        error = None
+    except shardcore.ShardcoreError as e:
+        error = {"type": type(e).__name__, "message": str(e)}
+    if index == 0:
+        print(json.dumps({"error": error}), flush=True)
+
+
+def run(cmd: str, mode: str, rank: int) -> None:
+    emit = print if rank == 0 else (lambda *a, **k: None)
     if cmd == "forwards":
         calls = []
         model, backend = sharded_llama(mode, sys.argv[3] == "1", lambda *a: calls.append(1))
         train(model, backend, 1)
-        print(json.dumps({"forwards": len(calls)}))
+        emit(json.dumps({"forwards": len(calls)}), flush=True)
+        return
+    if cmd == "efficient":
+        efficient(mode, sys.argv[3], rank, emit)
+        return
+    if cmd == "resume":
+        kind, src, out = sys.argv[3:6]
+        model, backend = sharded_llama(mode, state_dict_type=kind)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if src != "-":
+            shardcore.load(model, src, opt)
+        dump(backend, model, opt, f"{out}/loaded.safetensors", rank)
+        train(model, backend, 2, opt=opt)
+        shardcore.save(model, f"{out}/ckpt", opt)
+        dump(backend, model, opt, f"{out}/saved.safetensors", rank)
         return
     model, backend = sharded_llama(mode)
     if cmd == "compile":
         counts = []
         train(model, backend, int(sys.argv[3]), lambda i: counts.append(backend.compile_count()))
-        print(json.dumps({"compiles": counts}))
+        emit(json.dumps({"compiles": counts}), flush=True)
     elif cmd == "save":
         out = sys.argv[3]
         train(model, backend, 3)
         shardcore.save(model, f"{out}/ckpt")
-        save_file({k: v.contiguous() for k, v in backend.full_state_dict(model).items()}, f"{out}/expected.safetensors")
+        full = backend.full_state_dict(model)
+        if rank == 0:
+            save_file({k: v.contiguous() for k, v in full.items()}, f"{out}/expected.safetensors")
     elif cmd == "load":
         shardcore.load(model, sys.argv[3])
-        save_file({k: v.contiguous() for k, v in backend.full_state_dict(model).items()}, sys.argv[4])
+        full = backend.full_state_dict(model)
+        if rank == 0:
+            save_file({k: v.contiguous() for k, v in full.items()}, sys.argv[4])
     else:
         raise SystemExit(f"unknown command {cmd!r}")
 

@@ -194,6 +194,8 @@ def _matrix(backend: Any, world_size: int = 2, dtype: str | None = None) -> list
             add(f"{model}-layer_cls", model, {"transformer_layer_cls_to_wrap": [_LAYER_CLS[model]]}, family="layer_cls")
     if "state_dict_type" in keys:
         add("llama-sharded_state_dict", "llama", {"state_dict_type": "SHARDED_STATE_DICT"}, family="checkpoint")
+        if "xla_fsdp_v2" in keys:  # the other XLA mode writes another format
+            add("llama-sharded_state_dict-v21", "llama", {"state_dict_type": "SHARDED_STATE_DICT", "xla_fsdp_v2": True}, family="checkpoint")
     if "cpu_ram_efficient_loading" in keys:
         add("llama-cpu_ram_efficient_loading", "llama", {"cpu_ram_efficient_loading": True}, family="checkpoint")
     if "timeout" in keys:
@@ -206,6 +208,18 @@ def _matrix(backend: Any, world_size: int = 2, dtype: str | None = None) -> list
     add("uneven-mlp", "mlp_uneven", {}, family="uneven")
     if "auto_wrap_policy" in keys:
         add("uneven-mlp-nowrap", "mlp_uneven", {"auto_wrap_policy": "NO_WRAP"}, family="uneven")
+    # units returning several grad-carrying tensors (LlamaAttention's shape), under each structural
+    # knob the backend has: resharding or not, recomputation, and each XLA mode
+    multi = [{}]
+    for key, tag, default in toggles:
+        if key in ("reshard_after_forward", "xla_fsdp_v2"):
+            multi += [{**m, key: not default} for m in multi]
+    ckpt = next((k for k in ("activation_checkpointing", "xla_fsdp_grad_ckpt") if k in keys), None)
+    if ckpt:
+        multi += [{**m, ckpt: True} for m in multi]
+    for m in multi:
+        tags = "".join(f"-{tag}{int(m[k])}" for k, tag, _ in _TOGGLES if k in m)
+        add(f"multi_output-mlp{tags}", "mlp_two_outputs", m, family="multi_output")
     add("grad_accum-mlp", "mlp", {}, grad_accum=2, family="grad_accum")
     add("grad_accum-llama", "llama", {}, grad_accum=2, family="grad_accum")
     add("lr_schedule-mlp", "mlp", {}, lr_schedule="warmup_cosine", family="lr_schedule")

@@ -62,15 +62,23 @@ def _worker(rank: int, nprocs: int, per_device: bool, world_size: int, port: int
     if per_device:
         import shardcore
 
+        from .models import initial_states
+
         run_on_devices = shardcore.get_backend(backend).run_on_devices
+        # built here, before any device thread exists: seeding inside device threads races (models.py)
+        initial = initial_states({(c["model"], c["seed"] + k) for c in cases for k in (0, 1)})
         # a partial of a module-level function pickles, for launchers that start processes per device
-        run_on_devices(functools.partial(_run_cases_here, cases=cases, backend=backend, out=Path(out_dir)))
+        run_on_devices(functools.partial(_run_cases_here, cases=cases, backend=backend, out=Path(out_dir), initial=initial))
     else:
         _run_cases_here(rank, cases, backend, Path(out_dir))
 
 
-def _run_cases_here(rank: int, cases: list[dict], backend: str | None, out: Path) -> None:
+def _run_cases_here(rank: int, cases: list[dict], backend: str | None, out: Path, initial: dict | None = None) -> None:
+    from .models import preload
     from .train import run_case
+
+    if initial:
+        preload(initial)
 
     for d in cases:
         case = Case.from_dict(d)
@@ -168,11 +176,20 @@ def _wait(ctx, out: Path, nprocs: int, case_timeout: float, pending: list[Case])
         except ProcessException as e:
             name, _ = _current_case(out, nprocs)
             name = name or (pending[0].name if pending else "?")
-            errs = sorted(out.glob(f"{name}.error.*"))
+            # the first error written is the cause; ranks that failed because of it write theirs later
+            errs = sorted(out.glob(f"{name}.error.*"), key=lambda p: p.stat().st_mtime_ns)
             detail = errs[0].read_text() if errs else str(e)
             _kill(ctx)
             return name, f"worker failed in case {name}: {detail.strip().splitlines()[-1] if detail.strip() else e}\n{detail}"
         name, t = _current_case(out, nprocs)
+        errs = sorted(out.glob("*.error.*"), key=lambda p: p.stat().st_mtime_ns)
+        if errs and time.time() - errs[0].stat().st_mtime > 2.0:
+            # a rank failed but its process lives on (device threads: the others wait for it); the
+            # grace period lets a process that is exiting anyway report through join()
+            _kill(ctx)
+            failed = errs[0].name.split(".error.")[0]
+            detail = errs[0].read_text().strip()
+            return failed, f"worker failed in case {failed}: {detail.splitlines()[-1] if detail else '?'}\n{detail}"
         if name != last_case:
             last_case, case_start = name, time.time()
         # start-up (imports, process group) counts against the first case's deadline too
@@ -183,8 +200,20 @@ def _wait(ctx, out: Path, nprocs: int, case_timeout: float, pending: list[Case])
 
 
 def _kill(ctx) -> None:
+    """Kill the workers and everything they started (xmp.spawn's device process outlives its parent)."""
+    import psutil
+
     for p in ctx.processes:
         if p.is_alive():
+            try:
+                children = psutil.Process(p.pid).children(recursive=True)
+            except psutil.Error:
+                children = []
+            for c in children:
+                try:
+                    c.kill()
+                except psutil.Error:
+                    pass
             p.kill()
     for p in ctx.processes:
         p.join(5)

@@ -83,6 +83,38 @@ class BufferMLP(nn.Module):
         return self.head(x)
 
 
+class TwoOutputBlock(nn.Module):
+    """A unit shaped like ``LlamaAttention``: it returns ``(out, w)`` where ``w`` (the attention
+    weights) is an autograd ancestor of ``out``, and the caller uses only ``out``. Hooks that a
+    sharding wrapper puts on every output then fire twice in backward."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.a = nn.Linear(d, d, bias=False)
+        self.b = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        w = torch.softmax(self.a(x), dim=-1)
+        return self.b(w), w
+
+
+class TwoOutputMLP(nn.Module):
+    _no_split_modules = ["TwoOutputBlock"]
+
+    def __init__(self, d_in: int = 13, hidden: int = 33, d_out: int = 5):
+        super().__init__()
+        self.inp = nn.Linear(d_in, hidden)
+        self.blocks = nn.ModuleList([TwoOutputBlock(hidden), TwoOutputBlock(hidden)])
+        self.head = nn.Linear(hidden, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for b in self.blocks:
+            out, _ = b(h)
+            h = h + out
+        return self.head(h)
+
+
 # Tiny Hugging Face models: (config class, model class, config) in transformers. Llama: GQA, RMSNorm,
 # rotary positions (a non-persistent buffer), untied head. GPT-2: tied input and output embeddings
 # (``lm_head.weight is transformer.wte.weight``), learned positions, fused QKV ``Conv1D``; dropout off.
@@ -152,6 +184,7 @@ MODELS: dict[str, ModelSpec] = {
     "mlp": ModelSpec(MLP, "regression"),
     "mlp_uneven": ModelSpec(lambda: MLP(d_in=7, hidden=11, d_out=1), "regression", d_in=7, d_out=1),
     "mlp_buffers": ModelSpec(BufferMLP, "regression"),
+    "mlp_two_outputs": ModelSpec(TwoOutputMLP, "regression"),
     "llama": ModelSpec(build_llama, "causal_lm", size_wrap_min_params=2000),
     "gpt2": ModelSpec(build_gpt2, "causal_lm", size_wrap_min_params=None, tied=True),
 }
@@ -164,15 +197,43 @@ def spec(name: str) -> ModelSpec:
         raise KeyError(f"no conformance model named {name!r}; known: {', '.join(MODELS)}") from None
 
 
-# Device threads of one process (xmp.spawn on CPU) share torch's global generator: without the lock
-# their initialisations interleave and each thread builds different weights.
+# Device threads of one process (xmp.spawn on CPU PJRT) share torch's global generator, so a build
+# that seeds it races with every other thread that draws from it (not only with other builds), and
+# ranks start from different weights. The harness therefore builds each (model, seed) once, in a
+# thread of its own before any device thread starts (initial_states), hands the weights to the
+# device process (preload), and every build_model there loads them.
 _BUILD_LOCK = threading.Lock()
+_INITIAL: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+
+
+def initial_states(keys) -> dict[tuple[str, int], dict[str, torch.Tensor]]:
+    """The initial weights of each (model name, seed) in ``keys``. Call it while no other thread of
+    the process draws random numbers."""
+    out = {}
+    for name, seed in keys:
+        torch.manual_seed(seed)
+        out[(name, seed)] = {k: v.detach().clone() for k, v in spec(name).build().state_dict().items()}
+    return out
+
+
+def preload(states: dict[tuple[str, int], dict[str, torch.Tensor]]) -> None:
+    with _BUILD_LOCK:
+        _INITIAL.update(states)
 
 
 def build_model(name: str, seed: int) -> nn.Module:
+    """``name`` with the weights seed ``seed`` gives: the preloaded ones where the harness preloaded
+    them, else built here (a single thread, or one process per rank)."""
+    # under the lock also because Transformers' lazy module loading is not thread-safe (two device
+    # threads reaching transformers.LlamaForCausalLM first at once: one gets an AttributeError)
     with _BUILD_LOCK:
-        torch.manual_seed(seed)
-        return spec(name).build()
+        state = _INITIAL.get((name, seed))
+        if state is None:
+            torch.manual_seed(seed)
+        model = spec(name).build()
+    if state is not None:
+        model.load_state_dict(state)
+    return model
 
 
 def make_batches(name: str, steps: int, global_batch: int, seed: int) -> list[dict[str, torch.Tensor]]:

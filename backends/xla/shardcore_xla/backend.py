@@ -27,8 +27,10 @@ from torch import nn
 
 from shardcore.backend import LaunchSpec, World
 from shardcore.config import ShardConfig, _dtype_name, _show
-from shardcore.errors import BackendUnavailableError, ShardConfigError, ShardcoreError, UnknownKeyError
+from shardcore.errors import CheckpointError, ShardConfigError, ShardcoreError, UnknownKeyError
 from shardcore.plan import WrapPlan
+
+from . import cpu, sharded, unit_fix
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,8 @@ class XLABackend:
             "transformer_layer_cls_to_wrap",
             "min_num_params",
             "reshard_after_forward",
+            "state_dict_type",
+            "cpu_ram_efficient_loading",
             "xla",
             "xla_fsdp_v2",
             "xla_fsdp_settings",
@@ -56,9 +60,14 @@ class XLABackend:
         }
     )
 
+    #: shardcore's fixes for XLA FSDP units that return several tensors (unit_fix.py)
+    unit_fixes = True
+
     def __init__(self) -> None:
         self._spmd: bool | None = None
         self._mesh = None
+        # XLA FSDP on several CPU devices: the device threads of this process (see cpu.py)
+        self._threads: cpu.DeviceThreads | None = None
 
     # -- protocol -------------------------------------------------------------------------------
     def is_available(self) -> tuple[bool, str]:
@@ -85,6 +94,7 @@ class XLABackend:
         else:
             kwargs = fsdp_kwargs(config)
             self._spmd = False
+            self._threads = _device_threads(config)
             out = self._apply_fsdp(model, plan, config, kwargs)
         object.__setattr__(out, "_shardcore_tied_aliases", aliases)
         return out
@@ -114,7 +124,9 @@ class XLABackend:
     def barrier(self) -> None:
         import torch_xla.core.xla_model as xm
 
-        if not self._spmd:
+        if self._threads is not None:
+            self._threads.wait()
+        elif not self._spmd:
             xm.rendezvous("shardcore.barrier")
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -124,6 +136,9 @@ class XLABackend:
 
         if self._spmd or xr.world_size() == 1:
             return tensor
+        if self._threads is not None:
+            parts = self._threads.gather_cpu(xr.global_ordinal(), tensor)
+            return torch.stack(parts).sum(0).to(tensor.device)
         return xm.all_reduce(xm.REDUCE_SUM, tensor)
 
     def local_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -154,10 +169,15 @@ class XLABackend:
         return out
 
     def step_end(self) -> None:
-        """Cut and run the step's lazy graph (``torch_xla.sync()``); call it after ``optimizer.step()``."""
+        """Cut and run the step's lazy graph (``torch_xla.sync()``); call it after ``optimizer.step()``.
+
+        On several CPU devices the device threads take turns, so that all run one compiled module."""
         import torch_xla
 
-        torch_xla.sync()
+        if self._threads is not None:
+            self._threads.sync()
+        else:
+            torch_xla.sync()
 
     def compile_count(self) -> int:
         """XLA compilations so far in this process (torch_xla's ``UncachedCompile`` counter)."""
@@ -174,7 +194,7 @@ class XLABackend:
             # SPMD tensors are logically global: .cpu() gathers them
             full = {_strip_wrappers(k): v.detach().cpu().clone() for k, v in sd.items()}
         else:
-            full = _consolidate_fsdp(model)
+            full = _consolidate_fsdp(model, self._threads)
         # a tied weight appears under each of its names, as in the unwrapped model's state_dict()
         return self._with_aliases(model, full, lambda t: t.clone())
 
@@ -187,16 +207,15 @@ class XLABackend:
 
         if self._spmd or xr.world_size() == 1:
             return obj
+        if self._threads is not None:
+            return self._threads.exchange(xr.global_ordinal(), obj)[0]
         payload = pickle.dumps(obj) if xr.global_ordinal() == 0 else b""
         return pickle.loads(xm.rendezvous("shardcore.broadcast_object", payload)[0])
 
     def full_state_dict_shapes(self, model: nn.Module) -> dict[str, tuple[int, ...]]:
         """The keys and shapes :meth:`full_state_dict` returns, without gathering anything."""
         shapes = {n: sh for pieces in _param_layout(model).values() for n, sh in pieces}
-        for prefix, mod in model.named_modules():
-            for name, b in mod.named_buffers(recurse=False):
-                if b is not None and name not in mod._non_persistent_buffers_set:
-                    shapes[_strip_wrappers(f"{prefix}.{name}" if prefix else name)] = tuple(b.shape)
+        shapes.update({k: tuple(b.shape) for k, b in _persistent_buffers(model).items()})
         return self._with_aliases(model, shapes, lambda s: s)
 
     def load_full_state_dict(self, model: nn.Module, state_dict: dict[str, Any]) -> None:
@@ -274,12 +293,49 @@ class XLABackend:
         optimizer.state.update(new_state)
         self.step_end()
 
+    def save_sharded_state_dict(self, model: nn.Module, optimizer: Any, path: str) -> None:
+        """SPMD: torch.distributed.checkpoint with torch_xla's SPMD planners. XLA FSDP: each rank
+        writes its shards, rank 0 the shard index (see sharded.py). Collective."""
+        self.step_end()  # the values to write exist only once the pending graph has run
+        if self._spmd:
+            sharded.save_spmd(model, optimizer, path, _strip_wrappers)
+            return
+        w = self.world()
+        sharded.save_fsdp(model, optimizer, path, w.rank, w.size, _param_layout(model), _persistent_buffers(model))
+        self.barrier()  # rank 0 commits the directory after this returns: every shard must be there
+
+    def load_sharded_state_dict(self, model: nn.Module, optimizer: Any, path: str) -> None:
+        """Read a checkpoint of :meth:`save_sharded_state_dict` from a run of any device count. Collective."""
+        if self._spmd:
+            if not os.path.isfile(os.path.join(path, ".metadata")):
+                raise CheckpointError(
+                    f"shardcore.load: {path!r} is not a torch.distributed.checkpoint directory, so not a sharded checkpoint "
+                    "of SPMD (xla_fsdp_v2: true). A sharded checkpoint loads only into the XLA mode that wrote it; save "
+                    "FULL_STATE_DICT to move between modes."
+                )
+            sharded.load_spmd(model, optimizer, path, _strip_wrappers)
+            self.step_end()
+            return
+        if os.path.isfile(os.path.join(path, ".metadata")):
+            raise CheckpointError(
+                f"shardcore.load: {path!r} is a torch.distributed.checkpoint directory (FSDP2 or SPMD), not XLA FSDP's "
+                "per-rank shards. A sharded checkpoint loads only into the backend and mode that wrote it; save "
+                "FULL_STATE_DICT to move between them."
+            )
+        rank0 = self.world().rank == 0
+        full, osd = sharded.read_fsdp(path) if rank0 else ({}, None)
+        self.load_full_state_dict(model, full)
+        if optimizer is not None:
+            self.load_full_optimizer_state_dict(model, optimizer, osd or {})
+
     def _unshard(self, p: torch.Tensor, v: torch.Tensor, pieces: list[tuple[str, tuple[int, ...]]]) -> list[torch.Tensor]:
         """A tensor laid out like parameter ``p`` (its optimizer state) as unsharded CPU pieces."""
         import torch_xla.core.xla_model as xm
         import torch_xla.runtime as xr
 
-        if not self._spmd and xr.world_size() > 1:
+        if self._threads is not None:
+            v = torch.cat(self._threads.gather_cpu(xr.global_ordinal(), v))
+        elif not self._spmd and xr.world_size() > 1:
             v = xm.all_gather(v.detach(), dim=0)
         flat = v.detach().cpu().reshape(-1)
         out, at = [], 0
@@ -303,6 +359,8 @@ class XLABackend:
 
         if self._spmd or xr.world_size() == 1:
             return state_dict
+        if self._threads is not None:
+            return self._threads.exchange(xr.global_ordinal(), state_dict)[0]  # read-only on the others
         meta = self.broadcast_object({k: (tuple(v.shape), v.dtype) for k, v in state_dict.items()})
         out = {}
         for k, (shape, dtype) in meta.items():
@@ -320,6 +378,8 @@ class XLABackend:
             env["CPU_NUM_DEVICES"] = str(world_size)
         if config.xla_fsdp_v2:
             return LaunchSpec(processes=1, env=env, group="spmd")
+        if device == "CPU" and world_size > 1:
+            env.update(cpu.recipe_env(world_size))
         return LaunchSpec(processes=1, env=env, group="fsdp", per_device=world_size > 1)
 
     def validate(self, config: ShardConfig) -> None:
@@ -327,35 +387,70 @@ class XLABackend:
         if config.xla_fsdp_v2:
             spmd_kwargs(config)
 
-    def can_run(self, config: ShardConfig, world_size: int) -> str | None:
-        """Why ``config`` cannot run on ``world_size`` devices of this machine's PJRT device, or None.
-        Decided from the environment, without starting an XLA runtime."""
-        device = os.environ.get("PJRT_DEVICE") or ("TPU" if _has_tpu() else "CPU")
-        if device == "CPU" and not config.xla_fsdp_v2 and world_size > 1:
-            return cpu_limit(config, world_size)
-        return None
-
     def run_on_devices(self, fn: Callable[[int], None]) -> None:
-        """Run ``fn(ordinal)`` once per device (``xmp.spawn``), or once when SPMD drives them all."""
+        """Run ``fn(ordinal)`` once per device (``xmp.spawn``). On CPU it first sets the runtime
+        environment XLA FSDP needs on several devices (see cpu.py), which the spawned process inherits."""
         import torch_xla.distributed.xla_multiprocessing as xmp
 
+        if os.environ.get("PJRT_DEVICE", "CPU") == "CPU":
+            cpu.prepare(int(os.environ.get("CPU_NUM_DEVICES", "1")))
         xmp.spawn(_call_with_ordinal, args=(fn,))
 
     # -- the two modes ----------------------------------------------------------------------------
     def _apply_fsdp(self, model: nn.Module, plan: WrapPlan, config: ShardConfig, kwargs: dict[str, Any]) -> nn.Module:
         import torch_xla
-        import torch_xla.runtime as xr
-        from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
 
-        if xr.device_type() == "CPU" and xr.world_size() > 1:
-            raise BackendUnavailableError(f"shardcore xla: {cpu_limit(config, xr.world_size())}")
-
-        return FSDP(
+        if self._threads is not None:
+            kwargs = cpu_fsdp_kwargs(config, kwargs)  # after _device_threads() checked the runtime
+        if self.unit_fixes:
+            fsdp = unit_fix.fsdp_class()
+        else:
+            from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as fsdp
+        # cpu_ram_efficient_loading: the other ranks may hold meta tensors; rank 0's weights fill the
+        # shards after wrapping
+        from_rank0 = self._take_rank0_weights(model) if config.cpu_ram_efficient_loading and self.world().size > 1 else None
+        out = fsdp(
             _to_device_keeping_ties(model, torch_xla.device()),
             auto_wrap_policy=_plan_policy(model, plan),
-            auto_wrapper_callable=_unit_wrapper(FSDP, config.xla_fsdp_grad_ckpt),
+            auto_wrapper_callable=_unit_wrapper(fsdp, config.xla_fsdp_grad_ckpt, self.unit_fixes),
             **kwargs,
         )
+        if from_rank0 is not None:
+            self.load_full_state_dict(out, from_rank0)  # non-persistent buffers (rotary inv_freq) included
+        return out
+
+    def _take_rank0_weights(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Rank 0's parameters and buffers (every buffer: the other ranks' meta ones have no value), by
+        name; ``{}`` on the other ranks. Every rank reaches the same verdict on a bad model."""
+        rank = self.world().rank
+        tensors = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+        layout = {k: tuple(t.shape) for k, t in tensors.items()}
+        rank0_meta, rank0_layout = self.broadcast_object((any(t.is_meta for t in tensors.values()), layout))
+        problem = None
+        if rank0_meta:
+            problem = (
+                "is true but rank 0's model has tensors on the meta device. Rank 0 must hold the real weights "
+                "(from_pretrained there); the other ranks may build the model on the meta device."
+            )
+        elif layout != rank0_layout:
+            diff = sorted(set(layout.items()) ^ set(rank0_layout.items()))[:3]
+            problem = f"is true but rank {rank}'s model differs from rank 0's (names or shapes: {diff}). Build the same model on every rank."
+        bad = next((p for p in self._all_gather_object(problem) if p), None)
+        if bad:
+            raise ShardConfigError("cpu_ram_efficient_loading", bad)
+        return {_strip_wrappers(k): t.detach() for k, t in tensors.items()} if rank == 0 else {}
+
+    def _all_gather_object(self, obj: Any) -> list[Any]:
+        import pickle
+
+        import torch_xla.core.xla_model as xm
+        import torch_xla.runtime as xr
+
+        if self._spmd or xr.world_size() == 1:
+            return [obj]
+        if self._threads is not None:
+            return self._threads.exchange(xr.global_ordinal(), obj)
+        return [pickle.loads(b) for b in xm.rendezvous("shardcore.all_gather_object", pickle.dumps(obj))]
 
     def _apply_spmd(self, model: nn.Module, plan: WrapPlan, config: ShardConfig, kwargs: dict[str, Any]) -> nn.Module:
         import numpy as np
@@ -364,6 +459,12 @@ class XLABackend:
         import torch_xla.runtime as xr
         from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
 
+        if config.cpu_ram_efficient_loading and any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+            raise ShardConfigError(
+                "cpu_ram_efficient_loading",
+                "is true, but under SPMD (xla_fsdp_v2: true) one process drives every device, so it is rank 0 and "
+                "must hold the real weights; this model has tensors on the meta device. Load the weights in it.",
+            )
         if not xr.is_spmd():
             xr.use_spmd()
         if self._mesh is None:
@@ -376,29 +477,52 @@ class XLABackend:
             mesh=self._mesh,
             shard_output=shard_output,
             auto_wrap_policy=_plan_policy(model, plan),
-            auto_wrapper_callable=_unit_wrapper(FSDPv2, config.xla_fsdp_grad_ckpt),
+            auto_wrapper_callable=_unit_wrapper(FSDPv2, config.xla_fsdp_grad_ckpt, fixes=False),
             **kwargs,
         )
 
 
-def cpu_limit(config: ShardConfig, world_size: int) -> str:
-    """Why XLA FSDP does not run on several CPU PJRT devices (TPUs are not affected)."""
-    return (
-        f"XLA FSDP (xla_fsdp_v2: false) on {world_size} CPU PJRT devices: torch_xla 2.9 builds its "
-        "collectives without a channel id, XLA:CPU then keys them by each device thread's own compiled "
-        "module, and the threads never meet (rendezvous timeout; pytorch/xla#9089, #5005; torch_xla's own "
-        "CI runs these tests on one CPU device). Use one CPU device (CPU_NUM_DEVICES=1), xla_fsdp_v2: true "
-        "(SPMD, any number of CPU devices), or a TPU."
-    )
+def _device_threads(config: ShardConfig) -> cpu.DeviceThreads | None:
+    """The device-thread group when XLA FSDP runs on several CPU devices (None elsewhere: one device,
+    or TPU with one device per process), after checking the runtime has the CPU recipe."""
+    import torch_xla.runtime as xr
+
+    if os.environ.get("PJRT_DEVICE") == "CPU":
+        cpu.prepare(int(os.environ.get("CPU_NUM_DEVICES", "1")))  # only takes effect before the runtime starts
+    n = xr.world_size()
+    if xr.device_type() != "CPU" or n == 1:
+        return None
+    cpu.check(n)
+    cpu.thread_local_checkpoint_status()
+    return cpu.device_threads(n, config.timeout)
 
 
-def _unit_wrapper(wrapper_cls: type, grad_ckpt: bool) -> Callable[..., nn.Module]:
+def cpu_fsdp_kwargs(config: ShardConfig, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` for XLA FSDP on several CPU devices: unpinned collective layouts (a pinned
+    all_gather traces a different graph per device), and no sync inside backward (only the
+    serialized step end may sync)."""
+    for name, needed in (("pin_layout_in_collective_ops", False), ("sync_on_finalization", False)):
+        if name in config.xla_fsdp_settings and config.xla_fsdp_settings[name] != needed:
+            raise ShardConfigError(
+                f"xla_fsdp_settings.{name}",
+                f"is {config.xla_fsdp_settings[name]!r}, but XLA FSDP on several CPU PJRT devices needs {needed} "
+                "(torch_xla 2.9's CPU collectives meet only when every device thread runs the same compiled module; "
+                f"see the README's XLA section). Remove {name} or run on one CPU device or a TPU.",
+            )
+    return {**kwargs, "pin_layout_in_collective_ops": False}
+
+
+def _unit_wrapper(wrapper_cls: type, grad_ckpt: bool, fixes: bool) -> Callable[..., nn.Module]:
     """What wraps each plan unit: ``wrapper_cls``, around torch_xla's ``checkpoint_module`` of the
     unit when ``xla_fsdp_grad_ckpt`` is on (the Trainer's ``auto_wrapper_callable``)."""
     from torch_xla.distributed.fsdp import checkpoint_module
 
     def wrap(m: nn.Module, *args: Any, **kw: Any) -> nn.Module:
-        return wrapper_cls(checkpoint_module(m) if grad_ckpt else m, *args, **kw)
+        if not grad_ckpt:
+            return wrapper_cls(m, *args, **kw)
+        if fixes:
+            kw = unit_fix.checkpointed_unit_kwargs(kw)  # XLA FSDP's None-gradient crash (unit_fix.py)
+        return wrapper_cls(checkpoint_module(m), *args, **kw)
 
     return wrap
 
@@ -526,7 +650,7 @@ def _strip_wrappers(key: str) -> str:
     return key
 
 
-def _consolidate_fsdp(model: nn.Module) -> dict[str, Any]:
+def _consolidate_fsdp(model: nn.Module, threads: cpu.DeviceThreads | None) -> dict[str, Any]:
     """Gather every rank's shards (``all_gather``) and rebuild full tensors with torch_xla's own
     ``consolidate_sharded_state_dicts``, so the names and shapes are exactly the unwrapped model's."""
     import torch_xla
@@ -539,6 +663,9 @@ def _consolidate_fsdp(model: nn.Module) -> dict[str, Any]:
     world = xr.world_size()
     if world == 1:
         per_rank = [{k: v.cpu() for k, v in sd.items()}]
+    elif threads is not None:
+        threads.sync()
+        per_rank = threads.exchange(xr.global_ordinal(), {k: v.detach().cpu() for k, v in sd.items()})
     else:
         gathered = {k: xm.all_gather(v.unsqueeze(0), dim=0) for k, v in sd.items()}
         torch_xla.sync()
@@ -574,6 +701,16 @@ def _param_layout(model: nn.Module) -> dict[int, list[tuple[str, tuple[int, ...]
     return out
 
 
+def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers a state dict holds, by unwrapped name."""
+    out = {}
+    for prefix, mod in model.named_modules():
+        for name, b in mod.named_buffers(recurse=False):
+            if b is not None and name not in mod._non_persistent_buffers_set:
+                out[_strip_wrappers(f"{prefix}.{name}" if prefix else name)] = b
+    return out
+
+
 def _to_device_keeping_ties(model: nn.Module, device: Any) -> nn.Module:
     """``model.to(device)``, then share again every parameter that was shared before (tied
     embeddings): moving a model to an XLA device disconnects tied weights (the Trainer re-ties
@@ -583,7 +720,10 @@ def _to_device_keeping_ties(model: nn.Module, device: Any) -> nn.Module:
         for name, p in mod._parameters.items():
             if p is not None:
                 slots.setdefault(id(p), []).append((mod, name))
-    model.to(device)
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        model.to_empty(device=device)  # cpu_ram_efficient_loading, off rank 0: the values come later
+    else:
+        model.to(device)
     for group in slots.values():
         if len(group) > 1:
             owner, name = group[0]
@@ -624,7 +764,12 @@ def _like_spmd_param(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 def _call_with_ordinal(index: int, fn: Callable[[int], None]) -> None:
     import torch_xla.runtime as xr
 
-    fn(xr.global_ordinal())
+    try:
+        fn(xr.global_ordinal())
+    except BaseException:
+        # the other device threads would wait for this one at the next step end until the timeout
+        cpu.abort_all()
+        raise
 
 
 def _has_tpu() -> bool:

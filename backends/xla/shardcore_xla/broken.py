@@ -15,3 +15,11 @@ class NoLocalBatchScaling(XLABackend):
         n = xr.global_runtime_device_count()
         first = {k: v[: v.shape[0] // n].repeat((n,) + (1,) * (v.dim() - 1)) for k, v in batch.items()}
         return super().local_batch(first)
+
+
+class WithoutUnitFixes(XLABackend):
+    """XLA FSDP without shardcore's fixes for units that return several tensors: the torch_xla 2.9
+    bugs then show (stale weights in forward; a crash under xla_fsdp_grad_ckpt)."""
+
+    name = "xla-broken-no-unit-fixes"
+    unit_fixes = False

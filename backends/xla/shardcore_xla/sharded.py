@@ -1,0 +1,195 @@
+"""SHARDED_STATE_DICT checkpoints of the XLA backend, in its two modes.
+
+SPMD (``xla_fsdp_v2: true``)
+    ``torch.distributed.checkpoint`` with torch_xla's ``SPMDSavePlanner`` / ``SPMDLoadPlanner``: each
+    device's shards of the global tensors are written and read in place, keyed ``model.<name>`` and
+    ``optimizer.state.<name>.<key>`` with the unwrapped names, so a run on any number of devices
+    reads it (DCP reshards). Optimizer hyperparameters go to ``optimizer_groups.json``.
+
+XLA FSDP (``xla_fsdp_v2: false``)
+    Every rank writes its own shards, ``rank-<r>-of-<w>.safetensors`` (each parameter's flat, padded
+    shard and its optimizer state, keyed by the first unwrapped name the parameter holds), and
+    rank 0 writes ``shards.json``: the world size, which unwrapped (name, shape) pieces each shard
+    holds, every key's global shape, the buffers and the optimizer's non-tensor state. That is
+    torch_xla's own "shard plus shard metadata" layout (``get_shard_metadata``), without pickle.
+    Loading at any world size: rank 0 concatenates the saved ranks' shards into full tensors and
+    every rank takes its part, as a FULL load does.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from shardcore.errors import CheckpointError
+
+INDEX = "shards.json"
+GROUPS = "optimizer_groups.json"
+FORMAT = "shardcore-xla-fsdp-shards"
+
+
+def _rank_file(rank: int, world: int) -> str:
+    return f"rank-{rank:05d}-of-{world:05d}.safetensors"
+
+
+# ------------------------------------------------------------------------------------ SPMD (DCP)
+
+
+def spmd_state(model: nn.Module, optimizer: Any, strip: Callable[[str], str], prime: bool) -> dict[str, Any]:
+    """The DCP state dict of an SPMD model: its (sharded, on-device) tensors under unwrapped names.
+    ``prime``: give an optimizer that has not stepped yet its state, so DCP can load into it."""
+    state = {f"model.{strip(k)}": v for k, v in model.state_dict().items()}
+    if optimizer is None:
+        return state
+    names = {id(p): strip(n) for n, p in model.named_parameters()}
+    if prime and not optimizer.state:
+        _prime(optimizer)
+    for p, st in optimizer.state.items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                state[f"optimizer.state.{names[id(p)]}.{k}"] = v
+    return state
+
+
+def _prime(optimizer: Any) -> None:
+    from torch_xla.experimental.distributed_checkpoint.util import prime_optimizer
+
+    prime_optimizer(optimizer)  # a zero-gradient step creates the state; the load overwrites it
+
+
+def save_spmd(model: nn.Module, optimizer: Any, path: str, strip: Callable[[str], str]) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
+
+    dcp.save(spmd_state(model, optimizer, strip, prime=False), storage_writer=dcp.FileSystemWriter(path), planner=SPMDSavePlanner())
+    if optimizer is not None:
+        names = {id(p): strip(n) for n, p in model.named_parameters()}
+        Path(path, GROUPS).write_text(json.dumps(_groups(optimizer, lambda p: [names[id(p)]])))
+
+
+def load_spmd(model: nn.Module, optimizer: Any, path: str, strip: Callable[[str], str]) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
+
+    state = spmd_state(model, optimizer, strip, prime=True)
+    dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=SPMDLoadPlanner())
+    if optimizer is not None:
+        _set_groups(optimizer, json.loads(Path(path, GROUPS).read_text()), path)
+
+
+# ------------------------------------------------------------------------------------ XLA FSDP
+
+
+def save_fsdp(
+    model: nn.Module,
+    optimizer: Any,
+    path: str,
+    rank: int,
+    world: int,
+    layout: dict[int, list[tuple[str, tuple[int, ...]]]],
+    buffers: dict[str, torch.Tensor],
+) -> None:
+    """Write this rank's shards; rank 0 also writes the index. Not collective by itself."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    pieces: dict[str, list] = {}
+    opt_meta: dict[str, dict[str, Any]] = {}
+    for p in model.parameters():
+        first = layout[id(p)][0][0]
+        pieces[first] = [[n, list(s)] for n, s in layout[id(p)]]
+        tensors[f"model.{first}"] = p.detach().cpu().reshape(-1).contiguous()
+        if optimizer is not None and p in optimizer.state:
+            for k, v in optimizer.state[p].items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    tensors[f"optimizer.{first}.{k}"] = v.detach().cpu().reshape(-1).contiguous()
+                else:  # a scalar such as Adam's step: [value, whether it was a tensor]
+                    opt_meta.setdefault(first, {})[k] = [v.item(), True] if isinstance(v, torch.Tensor) else [v, False]
+    save_file(tensors, str(Path(path, _rank_file(rank, world))))
+    if rank != 0:
+        return
+    index = {
+        "format": FORMAT,
+        "world_size": world,
+        "pieces": pieces,
+        "keys": {n: list(s) for ps in layout.values() for n, s in ps} | {n: list(b.shape) for n, b in buffers.items()},
+        "optimizer": optimizer is not None,
+        "optimizer_scalars": opt_meta,
+    }
+    if buffers:
+        save_file({k: v.detach().cpu().contiguous() for k, v in buffers.items()}, str(Path(path, "buffers.safetensors")))
+    if optimizer is not None:
+        index["param_groups"] = _groups(optimizer, lambda p: [n for n, _ in layout[id(p)]])
+    Path(path, INDEX).write_text(json.dumps(index))
+
+
+def read_fsdp(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """The full (unsharded) model state dict and optimizer state (the layout of the backend's
+    ``full_optimizer_state_dict``) of an XLA FSDP sharded checkpoint of any world size."""
+    from safetensors.torch import load_file
+
+    index = read_index(path)
+    world = index["world_size"]
+    ranks = [load_file(str(Path(path, _rank_file(r, world)))) for r in range(world)]
+    full: dict[str, torch.Tensor] = {}
+    opt_state: dict[str, dict[str, Any]] = {}
+    for first, pieces in index["pieces"].items():
+        for name, t in _split(torch.cat([r[f"model.{first}"] for r in ranks]), pieces).items():
+            full[name] = t
+        for key in {k.split(".")[-1] for k in ranks[0] if k.startswith(f"optimizer.{first}.")}:
+            flat = torch.cat([r[f"optimizer.{first}.{key}"] for r in ranks])
+            for name, t in _split(flat, pieces).items():
+                opt_state.setdefault(name, {})[key] = t
+        for key, (v, was_tensor) in index["optimizer_scalars"].get(first, {}).items():
+            for name, _ in pieces:
+                opt_state.setdefault(name, {})[key] = torch.tensor(v) if was_tensor else v
+    buffers = Path(path, "buffers.safetensors")
+    if buffers.is_file():
+        full.update(load_file(str(buffers)))
+    if not index["optimizer"]:
+        return full, None
+    return full, {"state": opt_state, "param_groups": index["param_groups"]}
+
+
+def read_index(path: str) -> dict[str, Any]:
+    f = Path(path, INDEX)
+    try:
+        index = json.loads(f.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(
+            f"shardcore.load: {path!r} has no readable {INDEX} ({e}); it is not an XLA FSDP sharded checkpoint "
+            "(one written with xla_fsdp_v2: false), or it is damaged. Save it again."
+        ) from None
+    if index.get("format") != FORMAT:
+        raise CheckpointError(f"shardcore.load: {str(f)!r} is not an XLA FSDP shard index. Save the checkpoint again.")
+    return index
+
+
+def _split(flat: torch.Tensor, pieces: list) -> dict[str, torch.Tensor]:
+    out, at = {}, 0
+    for name, shape in pieces:
+        n = math.prod(shape)
+        out[name] = flat[at : at + n].view(shape).clone()
+        at += n
+    return out
+
+
+def _groups(optimizer: Any, names: Callable[[Any], list[str]]) -> list[dict[str, Any]]:
+    return [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [n for p in g["params"] for n in names(p)]}
+        for g in optimizer.param_groups
+    ]
+
+
+def _set_groups(optimizer: Any, groups: list[dict[str, Any]], path: str) -> None:
+    if len(groups) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"shardcore.load: the checkpoint at {path!r} has {len(groups)} optimizer parameter groups, this optimizer "
+            f"{len(optimizer.param_groups)}. Build the optimizer the way the saving run did."
+        )
+    for g, saved in zip(optimizer.param_groups, groups):
+        g.update({k: (tuple(v) if isinstance(g.get(k), tuple) else v) for k, v in saved.items() if k != "params"})

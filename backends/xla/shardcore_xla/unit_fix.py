@@ -1,0 +1,98 @@
+"""Workarounds for two torch_xla XLA FSDP bugs hit by units whose forward returns several tensors
+that carry gradients (``LlamaAttention`` returns ``attn_output`` and ``attn_weights``, the second an
+autograd ancestor of the first). Users cannot change their model's outputs, so shardcore fixes it.
+
+1. Stale weights. XLA FSDP registers its pre-backward hook on every output. The gradient reaches the
+   first output: all-gather, and the post-backward hook frees the full parameters. Then it reaches
+   the second: the hook fires again and re-gathers parameters whose post-backward hook has already
+   run, so nothing frees them. ``_wait_for_post_backward`` only frees modules whose pre-backward never
+   ran, and the next forward's ``_rebuild_full_params`` skips parameters still marked
+   ``_has_full_param``: that forward computes with the weights of before the optimizer step.
+   Gradients are right, the forward is silently wrong. Fix: when backward ends, free every unit's
+   full parameters that are still gathered (the next forward gathers them again).
+2. ``xla_fsdp_grad_ckpt`` crash. Under ``checkpoint_module`` both outputs come from one autograd node,
+   and the output that gets no gradient hands ``None`` to the pre-backward hook, whose optimization
+   barrier then raises "Invoked with: [None]". Fix: ``optimization_barrier_in_backward=False`` on
+   checkpointed units (the barrier only orders XLA's scheduling; the values are the same).
+
+Both touch torch_xla private members; :func:`check_private_api` verifies they exist, and
+``VERIFIED`` names the torch_xla releases the fixes were verified on (parity with eager CPU over
+every unit shape of the conformance suite).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: torch_xla releases in which both bugs were reproduced and these fixes verified
+VERIFIED = ("2.9",)
+# methods overridden or called; the instance attributes (full_params, _has_full_param,
+# _require_backward_grad_sync) are read with getattr and checked in the tests
+_PRIVATE = ("_wait_for_post_backward", "_free_full_params", "_rebuild_full_params")
+
+
+def warn_if_unverified(version: str) -> None:
+    """No torch_xla release is known to fix the bugs, so the fixes apply to every version; one newer
+    than those verified gets a warning (the private members are checked separately)."""
+    major_minor = tuple(int(x) for x in version.split("+")[0].split(".")[:2])
+    if major_minor > max(tuple(int(x) for x in v.split(".")) for v in VERIFIED):
+        log.warning(
+            "shardcore xla: torch_xla %s is newer than the releases the multi-output unit fixes were verified on (%s)",
+            version, ", ".join(VERIFIED),
+        )
+
+
+@functools.lru_cache(maxsize=None)
+def fsdp_class() -> type:
+    """``XlaFullyShardedDataParallel`` with fix 1."""
+    import torch_xla
+    from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
+
+    warn_if_unverified(torch_xla.__version__)
+    check_private_api(FSDP)
+
+    class ShardcoreXlaFSDP(FSDP):
+        """XlaFullyShardedDataParallel that frees full parameters a unit re-gathered after its
+        post-backward hook ran (see the module docstring)."""
+
+        def _wait_for_post_backward(self) -> None:
+            super()._wait_for_post_backward()
+            free_leftover_full_params(self)
+
+    return ShardcoreXlaFSDP
+
+
+def free_leftover_full_params(root: Any) -> int:
+    """Free the full parameters still gathered after backward in every XLA FSDP module under
+    ``root``; returns how many. Within ``no_sync`` (no gradient reduction) gathered parameters are
+    kept on purpose, since no optimizer step runs before the next forward."""
+    from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
+
+    freed = 0
+    for m in root.modules():
+        if not isinstance(m, FSDP) or not getattr(m, "_require_backward_grad_sync", True):
+            continue
+        stale = [p for p in getattr(m, "full_params", ()) if getattr(p, "_has_full_param", False)]
+        if stale:
+            m._free_full_params(stale, apply_opt_barrier=m.optimization_barrier_in_backward)
+            freed += len(stale)
+    return freed
+
+
+def checkpointed_unit_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` for a unit wrapped around ``checkpoint_module``: fix 2."""
+    return {**kwargs, "optimization_barrier_in_backward": False}
+
+
+def check_private_api(cls: type) -> None:
+    missing = [n for n in _PRIVATE if not callable(getattr(cls, n, None))]
+    if missing:  # pragma: no cover - depends on the installed torch_xla
+        from shardcore.errors import BackendUnavailableError
+
+        raise BackendUnavailableError(
+            f"shardcore xla: this torch_xla lacks {', '.join(missing)}, which shardcore's fix for units that return "
+            f"several tensors relies on (verified on torch_xla {', '.join(VERIFIED)}). Install torch_xla==2.9.0."
+        )

@@ -236,89 +236,101 @@ def _xla_child(path: str, size: str, steps: int, warmup: int) -> None:
 
 def _xla_fsdp_child(path: str, size: str, steps: int, warmup: int) -> None:
     """XLA FSDP on 2 CPU device threads: shardcore against the same wrapping written by hand."""
-    import json
-    import threading
+    import functools
 
     import shardcore
 
-    backend = shardcore.get_backend("xla")
-    lock, barrier = threading.Lock(), threading.Barrier(int(os.environ["CPU_NUM_DEVICES"]), timeout=600)
-    results: dict[int, dict] = {}
+    # seeding inside device threads races (one global generator): build the weights once, here
+    init = build_llama(size).state_dict()
+    shardcore.get_backend("xla").run_on_devices(functools.partial(_xla_fsdp_device, path=path, size=size, steps=steps,
+                                                                  warmup=warmup, init=init))
 
-    def serialized_sync() -> None:  # the CPU recipe, as a hand-written torch_xla script has it
-        import torch_xla
 
-        barrier.wait()
-        with lock:
-            torch_xla.sync()
-        barrier.wait()
+_HAND_RECIPE: dict = {}
+_BUILD_LOCK = __import__("threading").Lock()
+
+
+def _hand_serialized_sync(n: int) -> None:
+    """The CPU recipe as a hand-written torch_xla script has it: barrier, lock, sync, barrier."""
+    import threading
+
+    import torch_xla
+
+    r = _HAND_RECIPE.setdefault(n, (threading.Lock(), threading.Barrier(n, timeout=120)))
+    lock, barrier = r
+    barrier.wait()
+    with lock:
+        torch_xla.sync()
+    barrier.wait()
+
+
+def _xla_fsdp_device(rank: int, path: str, size: str, steps: int, warmup: int, init: dict) -> None:
+    import json
+
+    import torch_xla
+    import torch_xla.debug.metrics as met
+    import torch_xla.runtime as xr
+    from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
+
+    import shardcore
+
+    n = xr.world_size()
+
+    def fresh():
+        with _BUILD_LOCK:  # Transformers' lazy module loading is not thread-safe
+            model = build_llama(size)
+        model.load_state_dict(init)
+        return model
 
     def hand(model):
-        import torch_xla
-        from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
-
         model.to(torch_xla.device())
         for i, layer in enumerate(model.model.layers):
             model.model.layers[i] = FSDP(layer, reshard_after_forward=True, pin_layout_in_collective_ops=False)
         return FSDP(model, reshard_after_forward=True, pin_layout_in_collective_ops=False)
 
-    # seeding inside device threads races (one global generator): build the weights once, here
-    init = build_llama(size).state_dict()
-
-    def fresh():
-        model = build_llama(size)
-        model.load_state_dict(init)
-        return model
-
-    def device(rank: int) -> None:
-        import torch_xla
-        import torch_xla.debug.metrics as met
-
-        models = {"shardcore": shardcore.shard(fresh(), {**CONFIG, "xla": True}), "hand": hand(fresh())}
-        ends = {"shardcore": shardcore.handle(models["shardcore"]).backend.step_end, "hand": serialized_sync}
-        opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
-        times = {k: [] for k in models}
-        cpu = {k: [] for k in models}
-        losses = {k: [] for k in models}
-        compiles = None
-        for i in range(warmup + steps):
-            if i == warmup:
-                compiles = met.counter_value("UncachedCompile") or 0
-            order = ["shardcore", "hand"] if i % 2 == 0 else ["hand", "shardcore"]
-            for k in order:
-                data = batch(size, i, rank, torch_xla.device())
-                serialized_sync()
-                xm_wait()
-                barrier.wait()
-                t0, c0 = time.perf_counter(), time.process_time()
-                loss = models[k](**data).loss
-                loss.backward()
-                opts[k].step()
-                opts[k].zero_grad(set_to_none=True)
-                ends[k]()
-                xm_wait()
-                barrier.wait()  # both devices' work of this step is inside [t0, now]
-                if i >= warmup:
-                    times[k].append(time.perf_counter() - t0)
-                    cpu[k].append(time.process_time() - c0)
-                losses[k].append(float(loss.detach().cpu()))
-        results[rank] = {"times": times, "cpu": cpu, "losses": losses,
-                         "compiles_after_warmup": (met.counter_value("UncachedCompile") or 0) - compiles}
-
-    backend.run_on_devices(device)
-    r = results[0]
-    sc, hd = r["times"]["shardcore"], r["times"]["hand"]
-    gap = max(abs(a - b) for a, b in zip(r["losses"]["shardcore"], r["losses"]["hand"]))
-    assert gap < 1e-3 * max(1.0, abs(r["losses"]["hand"][0])), f"XLA FSDP losses diverged by {gap}"
+    models = {"shardcore": shardcore.shard(fresh(), {**CONFIG, "xla": True}), "hand": hand(fresh())}
+    ends = {"shardcore": shardcore.handle(models["shardcore"]).backend.step_end, "hand": lambda: _hand_serialized_sync(n)}
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
+    times: dict[str, list[float]] = {k: [] for k in models}
+    cpu: dict[str, list[float]] = {k: [] for k in models}
+    losses: dict[str, list[float]] = {k: [] for k in models}
+    compiles = 0
+    for i in range(warmup + steps):
+        if i == warmup:
+            compiles = met.counter_value("UncachedCompile") or 0
+        order = ["shardcore", "hand"] if i % 2 == 0 else ["hand", "shardcore"]
+        for k in order:
+            data = batch(size, i, rank, torch_xla.device())
+            _hand_serialized_sync(n)  # inputs on the devices, both devices idle
+            xm_wait()
+            _HAND_RECIPE[n][1].wait()
+            t0, c0 = time.perf_counter(), time.process_time()
+            loss = models[k](**data).loss
+            loss.backward()
+            opts[k].step()
+            opts[k].zero_grad(set_to_none=True)
+            ends[k]()
+            xm_wait()
+            _HAND_RECIPE[n][1].wait()  # both devices' work of this step lies inside [t0, now]
+            if i >= warmup:
+                times[k].append(time.perf_counter() - t0)
+                cpu[k].append(time.process_time() - c0)  # the whole process: both devices, one variant
+            losses[k].append(float(loss.detach().cpu()))
+    compiled = (met.counter_value("UncachedCompile") or 0) - compiles
+    if rank != 0:
+        return
+    sc, hd = times["shardcore"], times["hand"]
+    gap = max(abs(a - b) for a, b in zip(losses["shardcore"], losses["hand"]))
+    assert gap < 1e-3 * max(1.0, abs(losses["hand"][0])), f"XLA FSDP losses diverged by {gap}"
     Path(path).write_text(json.dumps({
-        "backend": "xla-fsdp", "mode": "XLA FSDP (XlaFullyShardedDataParallel), device threads", "devices": len(results),
+        "backend": "xla-fsdp", "mode": "XLA FSDP (XlaFullyShardedDataParallel), device threads", "devices": n,
         "device": "PJRT CPU", "model": {"size": size, **LLAMA_SIZES[size]}, "steps": steps, "warmup": warmup,
         "step_s": {"shardcore": summary(sc), "hand_written": summary(hd)},
         "ratio_of_medians": statistics.median(sc) / statistics.median(hd),
         "paired_ratio": summary([a / b for a, b in zip(sc, hd)]),
-        "cpu_s": {"shardcore": summary(r["cpu"]["shardcore"]), "hand_written": summary(r["cpu"]["hand"])},
-        "cpu_ratio_of_medians": statistics.median(r["cpu"]["shardcore"]) / statistics.median(r["cpu"]["hand"]),
-        "compiles_after_warmup": r["compiles_after_warmup"],
+        "cpu_s": {"shardcore": summary(cpu["shardcore"]), "hand_written": summary(cpu["hand"])},
+        "cpu_ratio_of_medians": statistics.median(cpu["shardcore"]) / statistics.median(cpu["hand"]),
+        "compiles_after_warmup": compiled,
         "max_loss_gap": gap,
         "goal": "CPU time ratio <= 1.01, 0 compilations after warm-up",
     }))

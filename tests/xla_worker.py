@@ -27,6 +27,8 @@ import sys
 import torch
 import torch_xla  # noqa: F401  (initialise XLA before any CPU backward: see shared/xla-notes.md)
 from safetensors.torch import save_file
+# here, not in the device threads: Transformers' lazy module loading is not thread-safe
+from transformers import LlamaForCausalLM
 
 import shardcore
 from shardcore_conformance.models import build_model, loss_fn, make_batches
@@ -65,20 +67,22 @@ def train(model, backend, steps: int, after_step=None, opt=None):
     return opt
 
 
+_READS: list[int] = []
+
+
+class CountingLlama(LlamaForCausalLM):
+    """Records the rank of every device thread that reads the weights files."""
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        import torch_xla.runtime as xr
+
+        _READS.append(xr.global_ordinal())
+        return super().from_pretrained(*args, **kwargs)
+
+
 def efficient(mode: str, hf_dir: str, rank: int, emit) -> None:
-    import threading
-
     from safetensors.torch import load_file
-    from transformers import LlamaForCausalLM
-
-    reads, lock = [], threading.Lock()
-
-    class CountingLlama(LlamaForCausalLM):
-        @classmethod
-        def from_pretrained(cls, *args, **kwargs):
-            with lock:
-                reads.append(rank)
-            return super().from_pretrained(*args, **kwargs)
 
     cfg = {"xla": True, "xla_fsdp_v2": mode == "spmd", "cpu_ram_efficient_loading": True}
     model = shardcore.from_pretrained(CountingLlama, hf_dir, cfg)
@@ -89,12 +93,14 @@ def efficient(mode: str, hf_dir: str, rank: int, emit) -> None:
     plain = dict(build_model("llama", 0).named_buffers())  # inv_freq: computed, in no file
     buffer_diff, buffers = 0.0, 0
     for k, b in model.named_buffers():
-        name = k.replace("_fsdp_wrapped_module.", "").replace("_fpw_module.", "")
+        name = k
+        for wrapper in ("_fsdp_wrapped_module.", "_fpw_module.", "_orig_module."):
+            name = name.replace(wrapper, "")
         if name in plain:
             buffer_diff, buffers = max(buffer_diff, float((b.cpu() - plain[name]).abs().max())), buffers + 1
     worst = backend.all_reduce_sum(torch.tensor([buffer_diff, buffers]).to(backend.world().device)).cpu()
     backend.barrier()
-    emit(json.dumps({"reads": sorted(reads), "param_diff": param_diff, "buffer_diff_sum": float(worst[0]),
+    emit(json.dumps({"reads": sorted(_READS), "param_diff": param_diff, "buffer_diff_sum": float(worst[0]),
                      "buffers": int(worst[1]), "keys": len(want)}), flush=True)
 
 

@@ -27,7 +27,7 @@ from torch import nn
 
 from shardcore.backend import LaunchSpec, World
 from shardcore.config import ShardConfig, _dtype_name, _show
-from shardcore.errors import CheckpointError, ShardConfigError, ShardcoreError, UnknownKeyError
+from shardcore.errors import CheckpointError, DistributedSetupError, ShardConfigError, ShardcoreError, UnknownKeyError
 from shardcore.plan import WrapPlan
 
 from . import cpu, sharded, unit_fix
@@ -256,22 +256,13 @@ class XLABackend:
                         d[k] = v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
             for (name, _), d in zip(pieces, per_piece):
                 state[name] = d
-        groups = [
-            {**{k: v for k, v in g.items() if k != "params"}, "params": [n for p in g["params"] for n, _ in layout[id(p)]]}
-            for g in optimizer.param_groups
-        ]
-        return {"state": state, "param_groups": groups}
+        return {"state": state, "param_groups": sharded.named_param_groups(optimizer, lambda p: [n for n, _ in layout[id(p)]])}
 
     def load_full_optimizer_state_dict(self, model: nn.Module, optimizer: Any, state: dict[str, Any]) -> None:
         state = self.broadcast_object(state)
         layout = _param_layout(model)
         saved_state = state.get("state", {})
-        groups = state.get("param_groups", [])
-        if len(groups) != len(optimizer.param_groups):
-            raise ShardcoreError(
-                f"shardcore.load: the checkpoint's optimizer has {len(groups)} parameter groups, this one "
-                f"{len(optimizer.param_groups)}. Build the optimizer the way the saving run did."
-            )
+        sharded.restore_param_groups(optimizer, state.get("param_groups", []), "the checkpoint")
         new_state: dict[Any, dict[str, Any]] = {}
         for g in optimizer.param_groups:
             for p in g["params"]:
@@ -287,8 +278,6 @@ class XLABackend:
                     else:
                         st[k] = v.clone() if isinstance(v, torch.Tensor) else v
                 new_state[p] = st
-        for g, saved in zip(optimizer.param_groups, groups):
-            g.update({k: v for k, v in saved.items() if k != "params"})
         optimizer.state.clear()
         optimizer.state.update(new_state)
         self.step_end()
@@ -766,7 +755,11 @@ def _call_with_ordinal(index: int, fn: Callable[[int], None]) -> None:
 
     try:
         fn(xr.global_ordinal())
-    except BaseException:
+    except BaseException as e:
+        if not isinstance(e, DistributedSetupError) or not cpu.aborted():
+            # the cause: xmp.spawn re-raises whichever thread's error it collects first, often
+            # another device's "stop waiting" that follows from this one
+            log.error("shardcore xla: device %d failed", xr.global_ordinal(), exc_info=True)
         # the other device threads would wait for this one at the next step end until the timeout
         cpu.abort_all()
         raise

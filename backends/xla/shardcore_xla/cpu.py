@@ -202,6 +202,11 @@ def device_threads(size: int, timeout: float) -> DeviceThreads:
         return group
 
 
+def aborted() -> bool:
+    """Whether a device thread of this process has failed."""
+    return _FAILED.is_set()
+
+
 def abort_all() -> None:
     """Wake every device thread of this process waiting in a group, and make every later wait fail
     (one of them failed)."""

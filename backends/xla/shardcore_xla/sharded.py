@@ -68,7 +68,7 @@ def save_spmd(model: nn.Module, optimizer: Any, path: str, strip: Callable[[str]
     dcp.save(spmd_state(model, optimizer, strip, prime=False), storage_writer=dcp.FileSystemWriter(path), planner=SPMDSavePlanner())
     if optimizer is not None:
         names = {id(p): strip(n) for n, p in model.named_parameters()}
-        Path(path, GROUPS).write_text(json.dumps(_groups(optimizer, lambda p: [names[id(p)]])))
+        Path(path, GROUPS).write_text(json.dumps(named_param_groups(optimizer, lambda p: [names[id(p)]])))
 
 
 def load_spmd(model: nn.Module, optimizer: Any, path: str, strip: Callable[[str], str]) -> None:
@@ -78,7 +78,7 @@ def load_spmd(model: nn.Module, optimizer: Any, path: str, strip: Callable[[str]
     state = spmd_state(model, optimizer, strip, prime=True)
     dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=SPMDLoadPlanner())
     if optimizer is not None:
-        _set_groups(optimizer, json.loads(Path(path, GROUPS).read_text()), path)
+        restore_param_groups(optimizer, json.loads(Path(path, GROUPS).read_text()), f"the checkpoint at {path!r}")
 
 
 # ------------------------------------------------------------------------------------ XLA FSDP
@@ -123,7 +123,7 @@ def save_fsdp(
     if buffers:
         save_file({k: v.detach().cpu().contiguous() for k, v in buffers.items()}, str(Path(path, "buffers.safetensors")))
     if optimizer is not None:
-        index["param_groups"] = _groups(optimizer, lambda p: [n for n, _ in layout[id(p)]])
+        index["param_groups"] = named_param_groups(optimizer, lambda p: [n for n, _ in layout[id(p)]])
     Path(path, INDEX).write_text(json.dumps(index))
 
 
@@ -178,17 +178,19 @@ def _split(flat: torch.Tensor, pieces: list) -> dict[str, torch.Tensor]:
     return out
 
 
-def _groups(optimizer: Any, names: Callable[[Any], list[str]]) -> list[dict[str, Any]]:
+def named_param_groups(optimizer: Any, names: Callable[[Any], list[str]]) -> list[dict[str, Any]]:
+    """``optimizer.param_groups`` with each parameter replaced by its unwrapped name(s)."""
     return [
         {**{k: v for k, v in g.items() if k != "params"}, "params": [n for p in g["params"] for n in names(p)]}
         for g in optimizer.param_groups
     ]
 
 
-def _set_groups(optimizer: Any, groups: list[dict[str, Any]], path: str) -> None:
+def restore_param_groups(optimizer: Any, groups: list[dict[str, Any]], source: str) -> None:
+    """Set the hyperparameters of :func:`named_param_groups` back (JSON turned tuples into lists)."""
     if len(groups) != len(optimizer.param_groups):
         raise CheckpointError(
-            f"shardcore.load: the checkpoint at {path!r} has {len(groups)} optimizer parameter groups, this optimizer "
+            f"shardcore.load: {source} has {len(groups)} optimizer parameter groups, this optimizer "
             f"{len(optimizer.param_groups)}. Build the optimizer the way the saving run did."
         )
     for g, saved in zip(optimizer.param_groups, groups):

@@ -1,16 +1,22 @@
-"""Demo: a tiny Llama trained with ``shardcore.shard`` on the ranks torchrun started, side by side
-with the same model trained on one device.
+"""Demo: a tiny Llama trained with ``shardcore.shard``, side by side with the same model trained on
+one device. One training loop, with gradient accumulation and clipping, for every backend: only the
+config changes.
 
-    torchrun --standalone --nproc_per_node 2 examples/demo.py      (what `make demo` runs)
+    torchrun --standalone --nproc_per_node 2 examples/demo.py                    (FSDP2; `make demo`)
+    PJRT_DEVICE=CPU CPU_NUM_DEVICES=2 python examples/demo.py --config examples/configs/xla_fsdp.json
+    PJRT_DEVICE=CPU CPU_NUM_DEVICES=2 python examples/demo.py --config examples/configs/xla_spmd.json
     accelerate launch --config_file fsdp.yaml examples/demo.py --config fsdp.yaml
 
-Every rank builds the model from one seed, shards it (FSDP2: gloo on CPU, NCCL on CUDA) and trains on
-its slice of each global batch. Rank 0 then trains an unsharded copy on the whole batches and prints
-both losses per step.
+Every rank shards the same model and trains on its part of each global batch. The main process
+also trains an unsharded copy on the whole batches, prints both losses per step, and exits 1 if they
+differ by more than --tolerance.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
+import sys
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -41,46 +47,75 @@ def batches(steps: int, global_batch: int) -> list[torch.Tensor]:
     return [(s + torch.arange(32)) % 256 for s in starts]
 
 
-def train(model, data, step_fn) -> list[float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
+def train(model, data, args, sc=None) -> tuple[list[float], list[float]]:
+    """The training loop. ``sc`` is the sharded model's handle; None trains ``model`` as it is."""
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    losses, norms = [], []
     for ids in data:
-        loss = step_fn(model, ids)
-        loss.backward()
+        micro = ids.chunk(args.grad_accum)
+        step_loss = 0.0
+        for i, m in enumerate(micro):
+            batch = {"input_ids": m, "labels": m}
+            # no gradient reduction until the last micro-batch of the step
+            last = i == len(micro) - 1
+            with contextlib.nullcontext() if last or sc is None else shardcore.no_sync(model):
+                loss = model(**(sc.local_batch(batch) if sc else batch)).loss / len(micro)
+                loss.backward()
+            step_loss = step_loss + loss.detach()
+        norm = shardcore.clip_grad_norm_(model, args.max_grad_norm)
         opt.step()
         opt.zero_grad()
-        losses.append(loss.detach())
-    return losses
+        if sc:
+            sc.step_end()
+            step_loss = sc.reduce(step_loss)  # mean over ranks, for logging
+        losses.append(float(step_loss))
+        norms.append(float(norm))
+    return losses, norms
 
 
-def main() -> None:
+def main(args: argparse.Namespace) -> None:
+    torch.use_deterministic_algorithms(True)
+    data = batches(args.steps, args.global_batch)
+    model = build()
+    reference = copy.deepcopy(model)  # the unsharded copy starts from the very same weights
+    model = shardcore.shard(model, args.config or CONFIG)
+    sc = shardcore.handle(model)
+    sharded, sharded_norms = train(model, data, args, sc)
+
+    failed = False
+    if sc.is_main_process:
+        single, single_norms = train(reference, data, args)
+        print(
+            f"shardcore demo: tiny Llama, {sc.backend.name} on {sc.world_size} rank(s) ({sc.device}) vs one device; "
+            f"grad_accum {args.grad_accum}, max_grad_norm {args.max_grad_norm}"
+        )
+        print(f"{'step':>4}  {'sharded loss':>14}  {'single-device':>14}  {'|diff|':>10}  {'grad norm':>10}  {'single':>10}")
+        for i, (a, b, na, nb) in enumerate(zip(sharded, single, sharded_norms, single_norms)):
+            print(f"{i:>4}  {a:>14.8f}  {b:>14.8f}  {abs(a - b):>10.2e}  {na:>10.6f}  {nb:>10.6f}")
+        worst = max(abs(a - b) for a, b in zip(sharded, single))
+        print(f"max |diff| over {len(sharded)} steps: {worst:.2e}")
+        failed = not worst <= args.tolerance
+        if failed:
+            print(f"FAIL: the sharded run differs from the single-device run by more than {args.tolerance:g}")
+    sc.barrier()
+    if failed:
+        sys.exit(1)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--global-batch", type=int, default=8)
+    ap.add_argument("--grad-accum", type=int, default=2, help="micro-batches per optimizer step")
+    ap.add_argument("--max-grad-norm", type=float, default=1.0)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--tolerance", type=float, default=1e-4, help="largest loss difference that passes")
     ap.add_argument("--config", help="JSON FSDP config or accelerate YAML (default: the CONFIG dict above)")
-    args = ap.parse_args()
-    torch.use_deterministic_algorithms(True)
-    data = batches(args.steps, args.global_batch)
-
-    model = shardcore.shard(build(), args.config or CONFIG)
-    backend = shardcore.handle(model).backend
-    world = backend.world()
-
-    def sharded_step(m, ids):
-        local = backend.local_batch({"input_ids": ids, "labels": ids})
-        return m(**local).loss
-
-    sharded = [float(backend.all_reduce_sum(l.detach()) / world.size) for l in train(model, data, sharded_step)]
-
-    if world.rank == 0:
-        reference = [float(l) for l in train(build(), data, lambda m, ids: m(input_ids=ids, labels=ids).loss)]
-        print(f"shardcore demo: tiny Llama, {world.size} ranks ({backend.name}, {world.device.type}) vs one device")
-        print(f"{'step':>4}  {'sharded loss':>14}  {'single-device':>14}  {'|diff|':>10}")
-        for i, (a, b) in enumerate(zip(sharded, reference)):
-            print(f"{i:>4}  {a:>14.8f}  {b:>14.8f}  {abs(a - b):>10.2e}")
-        print(f"max |diff| over {len(sharded)} steps: {max(abs(a - b) for a, b in zip(sharded, reference)):.2e}")
-    backend.barrier()
+    return ap.parse_args(argv)
 
 
 if __name__ == "__main__":
-    main()
+    args = parse_args()
+    # torchrun/accelerate started one process per rank: main runs here. XLA FSDP starts a rank per
+    # device from this one process.
+    shardcore.launch(main, args.config or CONFIG, args=(args,))

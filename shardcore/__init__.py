@@ -6,6 +6,7 @@ from .api import ShardedModel, handle, shard
 from .backend import Backend, BackendInfo, World, available_backends, get_backend
 from .checkpoint import from_pretrained, load, save
 from .config import MixedPrecision, ShardConfig, parse_config
+from .loop import clip_grad_norm_, launch, no_sync
 from .errors import (
     AlreadyShardedError,
     BackendNotFoundError,
@@ -44,11 +45,14 @@ __all__ = [
     "WrapPlanError",
     "available_backends",
     "build_plan",
+    "clip_grad_norm_",
     "estimate_memory",
     "from_pretrained",
     "get_backend",
     "handle",
+    "launch",
     "load",
+    "no_sync",
     "parse_config",
     "save",
     "shard",

@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from .backend import Backend, World, resolve_backend
+from .backend import Backend, StepEnd, World, resolve_backend
 from .config import ShardConfig, parse_config
 from .errors import AlreadyShardedError, ShardConfigError, ShardcoreError
 from .plan import WrapPlan, build_plan
@@ -30,6 +30,53 @@ class ShardedModel:
 
     def world(self) -> World:
         return self.backend.world()
+
+    # -- the training-loop surface: what a script needs, the same on every backend ----------------
+    @property
+    def rank(self) -> int:
+        """This rank's index (``torch.distributed.get_rank()``, accelerate's ``process_index``).
+        0 under XLA SPMD, where one process drives every device."""
+        return self.backend.world().rank
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks split each global batch (1 under XLA SPMD: one controller)."""
+        return self.backend.world().size
+
+    @property
+    def device(self) -> Any:
+        """This rank's device: where its batch goes."""
+        return self.backend.world().device
+
+    @property
+    def is_main_process(self) -> bool:
+        """Whether this is rank 0, the one that logs and writes files."""
+        return self.rank == 0
+
+    def local_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """This rank's part of a global batch (the same dict on every rank), on its device: its
+        slice along dim 0, or under SPMD the whole batch sharded across the devices."""
+        return self.backend.local_batch(batch)
+
+    def step_end(self) -> None:
+        """Call after ``optimizer.step()`` (and ``zero_grad``). Lazy-tensor backends cut and run
+        the step's graph here (XLA: ``torch_xla.sync()``, serialized across CPU device threads);
+        a no-op elsewhere."""
+        if isinstance(self.backend, StepEnd):
+            self.backend.step_end()
+
+    def reduce(self, tensor: Any, reduction: str = "mean") -> Any:
+        """``tensor`` summed or averaged over ranks (accelerate's ``reduce``), for logging: a
+        collective, call it on every rank. Under SPMD values are already global."""
+        if reduction not in ("mean", "sum"):
+            raise ShardcoreError(f"shardcore reduce: reduction={reduction!r}; use 'mean' or 'sum'.")
+        total = self.backend.all_reduce_sum(tensor.detach())
+        return total / self.world_size if reduction == "mean" else total
+
+    def barrier(self) -> None:
+        """Wait until every rank gets here (``torch.distributed.barrier``, accelerate's
+        ``wait_for_everyone``)."""
+        self.backend.barrier()
 
 
 def shard(model: nn.Module, config: Any = None, *, backend: str | Backend | None = None) -> nn.Module:
@@ -74,12 +121,17 @@ def shard(model: nn.Module, config: Any = None, *, backend: str | Backend | None
 
 def handle(model: nn.Module) -> ShardedModel:
     """The :class:`ShardedModel` handle of a model returned by :func:`shard`."""
-    h = getattr(model, _HANDLE_ATTR, None)
+    h = handle_or_none(model)
     if h is None:
         raise ShardcoreError(
             f"{type(model).__name__} was not sharded by shardcore.shard(); call shard(model, config) first."
         )
     return h
+
+
+def handle_or_none(model: nn.Module) -> ShardedModel | None:
+    """The handle of a sharded model, None for a model :func:`shard` did not return."""
+    return getattr(model, _HANDLE_ATTR, None)
 
 
 def _check_model_against_config(model: nn.Module, cfg: ShardConfig) -> None:

@@ -107,6 +107,42 @@ class Backend(Protocol):
         ...
 
 
+# -- optional capabilities: a backend implements the methods of each it supports. The loop helpers
+# (shardcore.api, shardcore.loop) check them with isinstance; without one they fall back to what is
+# correct for a backend that does not need it, or, where nothing is, raise naming the method.
+
+
+@runtime_checkable
+class StepEnd(Protocol):
+    """Lazy-tensor backends (XLA): cut and run the step's graph after ``optimizer.step()``."""
+
+    def step_end(self) -> None: ...
+
+
+@runtime_checkable
+class GradClipping(Protocol):
+    """Clip by the norm of the whole (unsharded) gradient, as ``torch.nn.utils.clip_grad_norm_``
+    would on the unsharded model; return that norm (a scalar tensor, the same on every rank)."""
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float) -> Any: ...
+
+
+@runtime_checkable
+class GradSyncControl(Protocol):
+    """A context manager within which backward accumulates gradients locally without reducing
+    them across ranks; the first backward after it reduces everything accumulated."""
+
+    def no_sync(self, model: nn.Module) -> Any: ...
+
+
+@runtime_checkable
+class Launcher(Protocol):
+    """Backends whose ranks are started from one process (XLA: one thread or process per device):
+    run ``fn()`` once per rank and return when all have finished."""
+
+    def launch(self, fn: Any, config: ShardConfig) -> None: ...
+
+
 @dataclass(frozen=True)
 class LaunchSpec:
     """How a backend wants its ranks started. A backend may define

@@ -245,11 +245,11 @@ class LocalRuntime:
 
 
 def _runtime(model: nn.Module) -> tuple[Any, ShardConfig | None]:
-    from .api import _HANDLE_ATTR
+    from .api import handle_or_none
 
     if not isinstance(model, nn.Module):
         raise CheckpointError(f"shardcore checkpoints: expected a torch.nn.Module, got {type(model).__name__}.")
-    h = getattr(model, _HANDLE_ATTR, None)
+    h = handle_or_none(model)
     if h is None:
         return LocalRuntime(), None
     return h.backend, h.config

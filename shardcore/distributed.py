@@ -6,6 +6,7 @@ the config's ``timeout`` so that a peer that never comes fails the run instead o
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import logging
@@ -13,6 +14,7 @@ import os
 import socket
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -78,7 +80,25 @@ def ensure_process_group(timeout_s: float, use_cuda: bool) -> None:
             "config key 'timeout'."
         ) from e
     log.info("shardcore: joined process group %s as rank %d of %d", backend, rank, size)
+    _destroy_at_exit(dist.group.WORLD)
     _watch_peers()
+
+
+def _destroy_at_exit(group: Any) -> None:
+    """Tear down, at interpreter exit, the process group shardcore created (a script's own group is
+    the script's to destroy). Left to static destruction, gloo's worker threads still hold work
+    whose tensors reference Python objects; freeing them needs the GIL of an interpreter that is
+    gone, and the rank dies with SIGABRT ("terminate called without an active exception") after
+    finishing its work (pytorch/pytorch PR 179291 describes the same crash)."""
+
+    def destroy() -> None:
+        if dist.is_initialized() and dist.group.WORLD is group:
+            try:
+                dist.destroy_process_group()
+            except Exception as e:  # noqa: BLE001 - at exit: report, never mask the exit status
+                log.warning("shardcore: destroying the process group at exit failed: %s", e)
+
+    atexit.register(destroy)
 
 
 def _check_existing_group() -> None:

@@ -1,4 +1,5 @@
 """Backends used by the registry tests, loaded by 'module:Class' exactly like a third-party one."""
+from shardcore.distributed import TorchDistributedRuntime
 from shardcore_fsdp2 import FSDP2Backend
 
 
@@ -16,3 +17,14 @@ class OnlyWrapBackend(FSDP2Backend):
 
     name = "only-wrap"
     supported_keys = frozenset({"auto_wrap_policy", "transformer_layer_cls_to_wrap", "min_num_params"})
+
+
+class PlainBackend(TorchDistributedRuntime):
+    """The required protocol only: no clipping, no accumulation control, no step end."""
+
+    name = "plain"
+    install_hint = "nothing to install"
+    supported_keys = frozenset({"auto_wrap_policy"})
+
+    def apply(self, model, plan, config):
+        return model

@@ -210,16 +210,17 @@ def test_cli_runs_cases_and_writes_the_report(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    "backend, expected",
+    "backend, case, expected",
     [
-        ("shardcore_conformance.broken:SumGradsBackend", "gradient norm differs at step 0"),
-        ("shardcore_conformance.broken:WrongSliceBackend", "loss differs at step 0"),
+        ("shardcore_conformance.broken:SumGradsBackend", "grad_accum-mlp", "gradient norm differs at step 0"),
+        ("shardcore_conformance.broken:WrongSliceBackend", "grad_accum-mlp", "loss differs at step 0"),
+        ("shardcore_conformance.broken:LocalNormClippingBackend", "clip-llama", "clipping norm differs at step 0"),
     ],
 )
-def test_cli_catches_broken_backends(tmp_path, backend, expected):
-    out = _run(["--backend", backend, "--cases", "grad_accum-mlp", "--report", str(tmp_path), "--no-plots"])
+def test_cli_catches_broken_backends(tmp_path, backend, case, expected):
+    out = _run(["--backend", backend, "--cases", case, "--report", str(tmp_path), "--no-plots"])
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
-    (line,) = [x for x in out.stdout.splitlines() if x.startswith("FAIL grad_accum-mlp: ")]
+    (line,) = [x for x in out.stdout.splitlines() if x.startswith(f"FAIL {case}: ")]
     assert expected in line, line
     if "SumGrads" in backend:
         assert "are gradients averaged across ranks?" in line

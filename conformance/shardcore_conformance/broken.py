@@ -1,6 +1,7 @@
 """Deliberately wrong backends, shipped so the suite can show that it catches real bugs."""
 from __future__ import annotations
 
+import torch
 from shardcore_fsdp2 import FSDP2Backend
 
 
@@ -28,3 +29,20 @@ class WrongSliceBackend(FSDP2Backend):
     def local_batch(self, batch):
         n = self.world().size
         return {k: v[: v.shape[0] // n].to(self.world().device) for k, v in batch.items()}
+
+
+class LocalNormClippingBackend(FSDP2Backend):
+    """FSDP2 that clips each rank's gradient shards by their own norm, what calling
+    ``torch.nn.utils.clip_grad_norm_`` on the local shards does, instead of the global norm."""
+
+    name = "broken-local-clip"
+
+    def clip_grad_norm_(self, model, max_norm, norm_type):
+        from torch.distributed.tensor import DTensor
+
+        local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters() if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(local, norm_type)
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for g in local:
+            g.mul_(coef)  # to_local() shares the shard's storage
+        return total

@@ -11,7 +11,11 @@ keys gets fewer cases, and a key it does not declare is never set.
   ``mixed_precision``, ``xla_fsdp_settings`` compute dtype, ``transformer_layer_cls_to_wrap``,
   ``state_dict_type``, ``cpu_ram_efficient_loading``, ``timeout``).
 - Feature cases run for every backend, with only the keys it declares: frozen parameters,
-  buffers, uneven shards, gradient accumulation, a learning-rate schedule.
+  buffers, uneven shards, gradient accumulation (through ``shardcore.no_sync``), a learning-rate
+  schedule.
+- Capability cases run for every backend that declares the capability: gradient clipping
+  (``shardcore.backend.GradClipping``), crossed with the structural keys, ``inf`` norm, frozen and
+  unused parameters, accumulation, CPU offload and bf16.
 """
 from __future__ import annotations
 
@@ -34,7 +38,9 @@ class Case:
     """One training run, done once on a single device and once sharded.
 
     ``global_batch`` rows per optimizer step, split into ``grad_accum`` micro-batches (each
-    divided among the ranks by the backend's ``local_batch``); ``lr_schedule`` is ``"constant"`` or
+    divided among the ranks by the backend's ``local_batch``; all but the last inside
+    ``shardcore.no_sync``); ``max_grad_norm`` set: gradients clipped to that ``norm_type`` norm
+    before each step (``shardcore.clip_grad_norm_``); ``lr_schedule`` is ``"constant"`` or
     ``"warmup_cosine"``; parameters whose names match a ``frozen`` pattern get
     ``requires_grad=False`` before sharding. ``family`` groups cases in the report.
     """
@@ -51,6 +57,8 @@ class Case:
     lr_schedule: str = "constant"
     frozen: tuple[str, ...] = ()
     family: str = ""
+    max_grad_norm: float | None = None
+    norm_type: float = 2.0
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -222,6 +230,10 @@ def _matrix(backend: Any, world_size: int = 2, dtype: str | None = None) -> list
         add(f"multi_output-mlp{tags}", "mlp_two_outputs", m, family="multi_output")
     add("grad_accum-mlp", "mlp", {}, grad_accum=2, family="grad_accum")
     add("grad_accum-llama", "llama", {}, grad_accum=2, family="grad_accum")
+    if "reshard_after_forward" in keys:
+        add("grad_accum-llama-reshard0", "llama", {"reshard_after_forward": False}, grad_accum=2, family="grad_accum")
+    if _clips(backend):
+        _clipping_cases(add, keys)
     add("lr_schedule-mlp", "mlp", {}, lr_schedule="warmup_cosine", family="lr_schedule")
     add("lr_schedule-gpt2", "gpt2", {}, lr_schedule="warmup_cosine", family="lr_schedule")
 
@@ -243,11 +255,43 @@ def _matrix(backend: Any, world_size: int = 2, dtype: str | None = None) -> list
                                   {"mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}))
         out.append(_low_precision(Case("frozen-llama-mp-bf16", "llama", dict(base), global_batch=gb, frozen=_FROZEN["llama"]),
                                   {"mixed_precision": "bf16"}))
+    if knob is not None and _clips(backend):
+        out.append(_low_precision(Case("clip-llama-bf16", "llama", dict(base), global_batch=gb, max_grad_norm=CLIP_NORM), knob, "clip-llama-bf16"))
     if "xla_fsdp_settings" in keys:
         for model in STRUCTURAL_MODELS:
             out.append(_low_precision(Case(f"{model}-xla-bf16", model, dict(base), global_batch=gb),
                                       {"xla_fsdp_settings": {"compute_dtype": "bfloat16"}}))
     return out
+
+
+def _clips(backend: Any) -> bool:
+    """Whether the backend declares gradient clipping (shardcore.backend.GradClipping)."""
+    import shardcore
+    from shardcore.backend import GradClipping
+
+    return isinstance(shardcore.get_backend(backend) if isinstance(backend, str) else backend, GradClipping)
+
+
+#: small enough that every clipping case clips at every step (the models' gradient norms are larger)
+CLIP_NORM = 0.05
+
+
+def _clipping_cases(add: Any, keys: frozenset[str]) -> None:
+    """Clipping by the norm of the whole gradient, on every model, under each structural knob the
+    backend has, with the infinity norm, frozen and unused parameters, and accumulation."""
+    for model in ("mlp", "llama", "gpt2"):
+        add(f"clip-{model}", model, {}, max_grad_norm=CLIP_NORM, family="clipping")
+    add("clip-llama-inf", "llama", {}, max_grad_norm=CLIP_NORM / 10, norm_type=float("inf"), family="clipping")
+    for key, tag, default in _TOGGLES:
+        if key in keys:
+            add(f"clip-llama-{tag}{int(not default)}", "llama", {key: not default}, max_grad_norm=CLIP_NORM, family="clipping")
+    if "auto_wrap_policy" in keys:
+        add("clip-llama-nowrap", "llama", {"auto_wrap_policy": "NO_WRAP"}, max_grad_norm=CLIP_NORM, family="clipping")
+    add("clip-frozen-llama", "llama", {}, frozen=_FROZEN["llama"], max_grad_norm=CLIP_NORM, family="clipping")
+    add("clip-unused-mlp", "mlp_unused", {}, max_grad_norm=CLIP_NORM, family="clipping")
+    add("clip-grad_accum-llama", "llama", {}, grad_accum=2, max_grad_norm=CLIP_NORM, family="clipping")
+    if "cpu_offload" in keys:
+        add("clip-llama-cpu_offload", "llama", {"cpu_offload": True}, max_grad_norm=CLIP_NORM, family="clipping")
 
 
 def _low_precision(case: Case, knob: dict[str, Any], name: str | None = None) -> Case:

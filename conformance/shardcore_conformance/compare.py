@@ -87,6 +87,17 @@ def compare(case: str, ref: dict[str, Any], got: dict[str, Any], dtype: str = "f
                 f"{got['grad_norms'][i]:.9g} (relative {rel:.3g}); are gradients averaged across ranks?",
             )
             break
+    for i, (a, b) in enumerate(zip(ref.get("clip_norms", []), got.get("clip_norms", []))):
+        rel = abs(a - b) / max(abs(a), 1e-12)
+        if not rel <= tol.grad_norm_rtol:
+            _fail(
+                v,
+                f"clipping norm differs at step {i}: reference {a:.9g}, sharded {b:.9g} (relative {rel:.3g}); "
+                "is the norm computed over every rank's shards?",
+            )
+            break
+    if len(ref.get("clip_norms", [])) != len(got.get("clip_norms", [])):
+        _fail(v, f"clipping norms: reference reported {len(ref.get('clip_norms', []))}, sharded {len(got.get('clip_norms', []))}")
     for i, (a, b) in enumerate(zip(ref.get("lrs", []), got.get("lrs", []))):
         if not math.isclose(a, b, rel_tol=1e-12, abs_tol=0.0):
             _fail(v, f"learning rate differs at step {i}: reference {a:.9g}, sharded {b:.9g}; the schedule must see the same optimizer steps")

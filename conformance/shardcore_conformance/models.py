@@ -46,6 +46,15 @@ class MLP(nn.Module):
         return self.head(x)
 
 
+class UnusedParamMLP(MLP):
+    """An MLP with a trainable head it never calls: its parameters get no gradient (``grad`` stays
+    None), which clipping and the optimizer must skip on every rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = nn.Linear(33, 5)
+
+
 class ScaledBlock(MLPBlock):
     """An MLP block with a persistent buffer (a fixed per-feature scale) and a non-persistent one
     (a shift), both inside a sharding unit: buffers are not sharded but must be moved, kept and
@@ -185,6 +194,7 @@ MODELS: dict[str, ModelSpec] = {
     "mlp_uneven": ModelSpec(lambda: MLP(d_in=7, hidden=11, d_out=1), "regression", d_in=7, d_out=1),
     "mlp_buffers": ModelSpec(BufferMLP, "regression"),
     "mlp_two_outputs": ModelSpec(TwoOutputMLP, "regression"),
+    "mlp_unused": ModelSpec(UnusedParamMLP, "regression"),
     "llama": ModelSpec(build_llama, "causal_lm", size_wrap_min_params=2000),
     "gpt2": ModelSpec(build_gpt2, "causal_lm", size_wrap_min_params=None, tied=True),
 }

@@ -134,17 +134,20 @@ def run_case(case: Case, backend: Any | None) -> dict[str, Any]:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(case.lr_schedule, s, case.steps))
     compute_dtype = _reference_compute_dtype(case) if backend is None else None
     step_end = getattr(runtime, "step_end", None)  # lazy-tensor backends cut the step's graph here
-    losses, grad_norms, lrs = [], [], []
+    losses, grad_norms, clip_norms, lrs = [], [], [], []
     for batch in make_batches(case.model, case.steps, case.global_batch, case.seed):
         step_loss = None
-        for micro in _micro_batches(batch, case.grad_accum):
-            if compute_dtype is None:
-                loss = loss_fn(case.model, model, runtime.local_batch(micro))
-                (loss / case.grad_accum).backward()
-            else:
-                loss = _low_precision_step(case, model, runtime.local_batch(micro), compute_dtype)
+        micros = _micro_batches(batch, case.grad_accum)
+        for i, micro in enumerate(micros):
+            with _accumulating(model, backend, last=i == len(micros) - 1):
+                if compute_dtype is None:
+                    loss = loss_fn(case.model, model, runtime.local_batch(micro))
+                    (loss / case.grad_accum).backward()
+                else:
+                    loss = _low_precision_step(case, model, runtime.local_batch(micro), compute_dtype)
             step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
         gsq = global_grad_sq_sum(runtime, model, step_loss.device)
+        clip_norm = _clip(case, model, backend)
         lrs.append(float(opt.param_groups[0]["lr"]))
         opt.step()
         sched.step()
@@ -153,9 +156,13 @@ def run_case(case: Case, backend: Any | None) -> dict[str, Any]:
             step_end()
         losses.append(float(runtime.all_reduce_sum(step_loss / case.grad_accum) / world_size))
         grad_norms.append(float(gsq.sqrt()))
+        if clip_norm is not None:
+            clip_norms.append(float(clip_norm))
     state = runtime.full_state_dict(model)
     params = {k: v.detach().float().cpu() for k, v in state.items()}
     out: dict[str, Any] = {"losses": losses, "grad_norms": grad_norms, "lrs": lrs, "params": params, "frozen": frozen}
+    if case.max_grad_norm is not None:
+        out["clip_norms"] = clip_norms
     probe = probe_batch(case.model, seed=case.seed)
     if backend is None:
         with torch.no_grad():
@@ -164,6 +171,30 @@ def run_case(case: Case, backend: Any | None) -> dict[str, Any]:
         out["checkpoint"] = checkpoint_round_trip(case, model, runtime, state, probe, step_end)
     _note_progress(case, backend, runtime, time.time() - t0)
     return out
+
+
+def _accumulating(model: nn.Module, backend: Any, last: bool) -> Any:
+    """Every micro-batch but the last of a step accumulates without gradient reduction (on the
+    sharded side; the reference has nothing to reduce)."""
+    import contextlib
+
+    if last or backend is None:
+        return contextlib.nullcontext()
+    import shardcore
+
+    return shardcore.no_sync(model)
+
+
+def _clip(case: Case, model: nn.Module, backend: Any) -> torch.Tensor | None:
+    """Clip as the case asks: torch's own function on the single-device reference, shardcore's on
+    the sharded model. The norm before clipping, or None."""
+    if case.max_grad_norm is None:
+        return None
+    if backend is None:
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), case.max_grad_norm, case.norm_type)
+    import shardcore
+
+    return shardcore.clip_grad_norm_(model, case.max_grad_norm, case.norm_type)
 
 
 def _note_progress(case: Case, backend: Any, runtime: Any, seconds: float) -> None:

@@ -6,9 +6,10 @@ arguments is used for every unit.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -116,6 +117,30 @@ class FSDP2Backend(TorchDistributedRuntime):
         set_model_state_dict(model, state["model"])
         if optimizer is not None:
             set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+    # -- training-loop capabilities ---------------------------------------------------------------
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
+        """torchtitan's recipe: the gradients are DTensors, so ``get_total_norm`` reduces each
+        rank's shard norms to the global one (``full_tensor()``), then every rank scales its shards
+        by the same factor."""
+        from torch.distributed.tensor import DTensor
+
+        params = [p for p in model.parameters() if p.grad is not None]
+        total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type, error_if_nonfinite=False)
+        if isinstance(total, DTensor):
+            total = total.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        """Backward inside accumulates unsharded, unreduced gradients; the first backward after it
+        reduce-scatters them once (FSDP2's ``set_requires_gradient_sync``)."""
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
 
     # -- helpers --------------------------------------------------------------------------------
     def mesh(self, config: ShardConfig):

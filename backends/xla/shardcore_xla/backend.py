@@ -14,6 +14,7 @@ yes exactly to the plan's unit modules.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import inspect
@@ -385,6 +386,28 @@ class XLABackend:
             cpu.prepare(int(os.environ.get("CPU_NUM_DEVICES", "1")))
         xmp.spawn(_call_with_ordinal, args=(fn,))
 
+    def launch(self, fn: Callable[[], None], config: ShardConfig) -> None:
+        """``fn()`` once per local device under XLA FSDP (``xmp.spawn``), once under SPMD."""
+        if config.xla_fsdp_v2:
+            fn()
+        else:
+            self.run_on_devices(functools.partial(_without_ordinal, fn))
+
+    # -- training-loop capabilities ---------------------------------------------------------------
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
+        """SPMD parameters are global, so torch's own function is right. Under XLA FSDP each rank
+        holds flat shards of every gradient; see :func:`_clip_fsdp_grads`."""
+        if self._spmd:
+            return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+        return _clip_fsdp_grads(model, max_norm, norm_type)
+
+    def no_sync(self, model: nn.Module) -> Any:
+        """XLA FSDP: accumulate full gradients without reduce-scatter (XlaFullyShardedDataParallel's
+        ``no_sync``). SPMD: nothing to do, the compiler places the reductions."""
+        if self._spmd:
+            return contextlib.nullcontext()
+        return model.no_sync()
+
     # -- the two modes ----------------------------------------------------------------------------
     def _apply_fsdp(self, model: nn.Module, plan: WrapPlan, config: ShardConfig, kwargs: dict[str, Any]) -> nn.Module:
         import torch_xla
@@ -398,6 +421,8 @@ class XLABackend:
         # cpu_ram_efficient_loading: the other ranks may hold meta tensors; rank 0's weights fill the
         # shards after wrapping
         from_rank0 = self._take_rank0_weights(model) if config.cpu_ram_efficient_loading and self.world().size > 1 else None
+        if from_rank0 is None and self._threads is not None:
+            _start_from_device0(model, self._threads)
         out = fsdp(
             _to_device_keeping_ties(model, torch_xla.device()),
             auto_wrap_policy=_plan_policy(model, plan),
@@ -484,6 +509,66 @@ def _device_threads(config: ShardConfig) -> cpu.DeviceThreads | None:
     cpu.check(n)
     cpu.thread_local_checkpoint_status()
     return cpu.device_threads(n, config.timeout)
+
+
+def _clip_fsdp_grads(model: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
+    """XlaFullyShardedDataParallel.clip_grad_norm_'s algorithm (each rank's shard norm, reduced over
+    ranks inside the step's graph: max for ``inf``, else the sum of p-th powers), without its ``inf``
+    bug: it takes Python's ``max()`` over the per-gradient maxima, which compares lazy tensors, so
+    every comparison runs a graph on the spot and the traced graph then depends on which shard holds
+    the largest entry. Ranks trace different step graphs, compile different modules, and their
+    collectives never meet (XLA aborts the process after 10 s). Here the maximum is a tensor op."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.runtime as xr
+
+    grads = [p.grad.detach() for p in model.parameters() if p.grad is not None]
+    if not grads:
+        local = torch.zeros((), device=torch_xla.device())
+    elif math.isinf(norm_type):
+        local = torch.stack([g.abs().max() for g in grads]).max()
+    else:
+        local = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]), norm_type)
+    total = local
+    if xr.world_size() > 1:
+        # the wrapper's own all_reduce, with the layout pinning it was built with
+        if math.isinf(norm_type):
+            total = model.all_reduce_op(xm.REDUCE_MAX, local)
+        else:
+            total = model.all_reduce_op(xm.REDUCE_SUM, local**norm_type) ** (1.0 / norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef)
+    return total
+
+
+def _start_from_device0(model: nn.Module, threads: cpu.DeviceThreads) -> None:
+    """Give every device thread device 0's initial weights (FSDP1's ``sync_module_states``). The
+    threads share one process and so one global RNG: seeding and building the model in each of
+    them interleaves their draws, and identical seeds do not give identical weights."""
+    import torch_xla.runtime as xr
+
+    rank = xr.global_ordinal()
+    mine = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    src = threads.exchange(rank, mine)[0]
+    problem = None
+    if rank != 0:
+        with torch.no_grad():
+            for k, t in mine.items():
+                s = src.get(k)
+                if s is None or s.shape != t.shape or t.is_meta:
+                    got = "missing" if s is None else tuple(s.shape)
+                    problem = (
+                        f"shardcore xla: device {rank}'s model differs from device 0's at {k!r} (shape "
+                        f"{tuple(t.shape)}{', on the meta device' if t.is_meta else ''}; device 0: {got}). Build "
+                        "the same model with real weights on every device (for meta-device models, set "
+                        "cpu_ram_efficient_loading)."
+                    )
+                    break
+                t.copy_(s)
+    bad = next((p for p in threads.exchange(rank, problem) if p), None)  # device 0 waits for the copies
+    if bad:
+        raise DistributedSetupError(bad)
 
 
 def cpu_fsdp_kwargs(config: ShardConfig, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -748,6 +833,10 @@ def _like_spmd_param(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     t = value.to(torch_xla.device(), p.dtype)
     xs.mark_sharding(t, xs.get_global_mesh(), _prepare_spmd_partition_spec(t, shard_maximal=True))
     return t
+
+
+def _without_ordinal(fn: Callable[[], None], ordinal: int) -> None:
+    fn()
 
 
 def _call_with_ordinal(index: int, fn: Callable[[int], None]) -> None:

@@ -146,6 +146,7 @@ class DeviceThreads:
         self._lock = threading.Lock()
         self._barrier = threading.Barrier(size, timeout=timeout)
         self._slots: list[Any] = [None] * size
+        self._turn = 0  # syncs taken under the lock: the first of each round may compile
 
     def wait(self) -> None:
         try:
@@ -168,7 +169,20 @@ class DeviceThreads:
 
         self.wait()  # every thread has traced this step
         with self._lock:
+            first = self._turn % self.size == 0
+            self._turn += 1
+            before = torch_xla._XLAC._xla_get_num_cached_compilation_graph()
             torch_xla.sync()
+            compiled = torch_xla._XLAC._xla_get_num_cached_compilation_graph() > before
+        if compiled and not first:
+            # its collectives are keyed by its own module: they will never meet the others'
+            raise DistributedSetupError(
+                "shardcore xla: this device traced a different step graph than the device that synced "
+                "first and compiled a module of its own; the devices' collectives cannot meet, and XLA "
+                "aborts the process after 10 s. The step's Python took a data-dependent branch on a lazy "
+                "tensor (Python max(), min() or an if on a tensor, .item()), or the devices ran different "
+                "code. Keep the step the same on every device; compute on tensors instead."
+            )
         self.wait()  # every thread has queued this step before any traces the next
 
     def exchange(self, rank: int, obj: Any) -> list[Any]:

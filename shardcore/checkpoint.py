@@ -38,6 +38,7 @@ from torch import nn
 
 from .backend import World
 from .config import ShardConfig, parse_config
+from . import safe_dcp
 from .errors import CheckpointError, ShardcoreError
 
 log = logging.getLogger(__name__)
@@ -661,8 +662,6 @@ SHARD_INDEX = "shards.json"
 
 
 def _check_sharded(model: nn.Module, src: Path, optimizer: Any) -> None:
-    from torch.distributed.checkpoint import FileSystemReader
-
     index = src / SHARD_INDEX
     if index.is_file() and not (src / DCP_METADATA).is_file():
         try:
@@ -673,7 +672,9 @@ def _check_sharded(model: nn.Module, src: Path, optimizer: Any) -> None:
         _check_found(model, src, optimizer, found, has_optimizer)
         return
     try:
-        md = FileSystemReader(str(src)).read_metadata()
+        md = safe_dcp.reader(str(src)).read_metadata()
+    except CheckpointError:
+        raise
     except Exception as e:  # noqa: BLE001 - DCP raises several types
         raise CheckpointError(
             f"shardcore.load: {str(src)!r} is not a readable torch.distributed.checkpoint directory ({e}). Save it again."

@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-ROWS, SEQ, STEPS = 32, 16, 4
+ROWS, SEQ, STEPS = 32, 32, 4
 PER_DEVICE, ACCUM, LR, MAX_NORM = 4, 2, 1e-2, 1.0
 
 
@@ -23,15 +23,16 @@ def build():
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager",
     )
     return LlamaForCausalLM(cfg)
 
 
 def rows() -> torch.Tensor:
+    """Shifted ranges (the demo's data): large gradients at first, so clipping acts at every step."""
     g = torch.Generator().manual_seed(1)
-    return torch.randint(0, 128, (ROWS, SEQ), generator=g)
+    return (torch.randint(0, 200, (ROWS, 1), generator=g) + torch.arange(SEQ)) % 256
 
 
 def run_trainer(out: str) -> None:

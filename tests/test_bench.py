@@ -72,3 +72,28 @@ def test_overhead_xla_tiny_compares_both_modes_without_recompiling(tmp_path):
     assert math.isfinite(fsdp["cpu_ratio_of_medians"]) and fsdp["cpu_ratio_of_medians"] > 0
     assert fsdp["compiles_after_warmup"] == 0, fsdp  # a count: every timed step reuses the warm-up's graphs
     assert "compilations after warm-up 0" in out.stdout
+
+
+def test_accumulation_counts_one_reduction_per_unit_with_no_sync(tmp_path):
+    """Counts, not times: with shardcore.no_sync each unit reduce-scatters once per optimizer step,
+    without it once per micro-batch, on FSDP2 and (when installed) XLA FSDP; both variants train to
+    the same parameters."""
+    xla = True
+    try:
+        import torch_xla  # noqa: F401
+    except ImportError:
+        xla = False
+    res = tmp_path / "accumulation.json"
+    out = _run("accumulation.py", "--size", "tiny", "--accum", "3", "--steps", "2", "--warmup", "1", "--out", str(res),
+               *(["--xla"] if xla else []), timeout=900)
+    results = json.loads(res.read_text())["results"]
+    assert len(results) == (2 if xla else 1), out.stdout
+    for r in results:
+        assert r["units"] == 3, r  # 2 decoder layers and the root
+        n = r["reductions_per_backward"]
+        # FSDP2: one per unit; XLA FSDP: one per parameter (9 per decoder layer, 3 in the root)
+        assert n == (3 if r["backend"] == "fsdp2" else 21), r
+        assert r["calls_per_optimizer_step"] == {"no_sync": n, "every": 3 * n}, r
+        assert math.isfinite(r["cpu_ratio_no_sync_over_every"]) and r["cpu_ratio_no_sync_over_every"] > 0
+        assert r["max_param_diff"] < 1e-5, r
+    assert "cpu-time ratio no_sync/every" in out.stdout

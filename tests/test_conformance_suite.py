@@ -263,14 +263,15 @@ def test_vendor_backend_is_found_by_name_and_passes(vendor_site, tmp_path):
     names = [line.split()[0] for line in listed.stdout.splitlines()]
     # it declares only `timeout`: no wrap/reshard/offload/precision dimensions
     assert len(names) < len(fsdp2_matrix()) and "mlp-transformer" in names and "mlp-timeout" in names
+    assert "clip-llama" in names  # it declares clipping
     assert not any("nowrap" in n or "cpu_offload" in n or "bf16" in n for n in names)
     bf16 = _run(["--backend", "replicate-example", "--dtype", "bf16", "--list"], env_extra=env, timeout=120)
     assert bf16.returncode == 2 and "no way to compute in bf16" in bf16.stderr
 
-    out = _run(["--backend", "replicate-example", "--world-size", "2", "--cases", "gpt2-transformer,frozen-llama,buffers-mlp,grad_accum-mlp",
+    out = _run(["--backend", "replicate-example", "--world-size", "2", "--cases", "gpt2-transformer,frozen-llama,buffers-mlp,grad_accum-mlp,clip-llama",
                 "--report", str(tmp_path), "--no-plots"], env_extra=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "PASS: 4/4 cases passed" in out.stdout
+    assert "PASS: 5/5 cases passed" in out.stdout
     doc = json.loads((tmp_path / "report.json").read_text())
     assert doc["supported_keys"] == ["timeout"]
     assert all(r["checkpoint_param_diff"] == 0.0 for r in doc["cases"])

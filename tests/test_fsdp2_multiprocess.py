@@ -45,19 +45,6 @@ def _env(**extra):
     return env
 
 
-def test_demo_under_torchrun():
-    out = subprocess.run(
-        [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(ROOT / "examples" / "demo.py"), "--steps", "4"],
-        capture_output=True, text=True, timeout=300, env=_env(),
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "2 ranks (fsdp2, cpu)" in out.stdout
-    rows = re.findall(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.e+-]+)$", out.stdout, re.M)
-    assert len(rows) == 4
-    for _, sharded, ref, diff in rows:
-        assert abs(float(sharded) - float(ref)) < 1e-5
-
-
 def test_accelerate_launch(tmp_path):
     """One accelerate FSDP2 config file drives both `accelerate launch` and shardcore.shard."""
     cfg = tmp_path / "accelerate.yaml"
@@ -73,7 +60,7 @@ def test_accelerate_launch(tmp_path):
         capture_output=True, text=True, timeout=300, env=_env(),
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert "2 ranks (fsdp2, cpu)" in out.stdout
+    assert "fsdp2 on 2 rank(s) (cpu)" in out.stdout
 
 
 def test_missing_peer_fails_within_timeout():

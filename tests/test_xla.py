@@ -127,6 +127,31 @@ def test_cpu_runtime_settings_that_can_no_longer_change_are_clear_errors():
     assert "XLA_THREAD_POOL_SIZE is '2'" in msg and "XLA_THREAD_POOL_SIZE=8" in msg, msg
 
 
+@pytest.mark.multiprocess
+def test_cyclic_garbage_does_not_split_the_step_graph():
+    """A lazy tensor held by cyclic garbage is an output of its device's step graph until the cycle
+    collector runs. Collected on device 0 and not yet on device 1, the two devices compiled different
+    modules and XLA aborted the process at the first collective (op_ids of two modules); the step end
+    collects before the devices sync."""
+    out = subprocess.run([sys.executable, str(HERE / "xla_worker.py"), "garbage", "fsdp"], capture_output=True,
+                         text=True, timeout=300, env=_xla_env(2))
+    assert out.returncode == 0, out.stderr[-3000:]
+    losses = json.loads(out.stdout.strip().splitlines()[-1])["losses"]
+    assert len(losses) == 3 and all(l == l for l in losses) and losses[0] != losses[-1], losses
+
+
+@pytest.mark.multiprocess
+def test_item_counter_exists_before_device_threads_read_values():
+    """torch_xla 2.9 inserts into its CPU-fallback counter map without a lock, on the first
+    fallback of each op; two device threads reading their first loss (.item()) at once crashed the
+    process now and then (a segfault in the map's lookup). shard() has torch_xla insert that counter
+    while the other device threads wait, so the threads only ever look it up."""
+    out = subprocess.run([sys.executable, str(HERE / "xla_worker.py"), "fallbacks", "fsdp"], capture_output=True,
+                         text=True, timeout=300, env=_xla_env(2))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "aten::_local_scalar_dense" in json.loads(out.stdout.strip().splitlines()[-1])["fallbacks"]
+
+
 def test_cpu_recipe_problems_and_settings():
     from shardcore_xla import cpu
     from shardcore_xla.backend import cpu_fsdp_kwargs

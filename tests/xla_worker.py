@@ -13,6 +13,12 @@
     python xla_worker.py efficient MODE HF_DIR         -> shardcore.from_pretrained with cpu_ram_efficient_loading:
                                                           JSON of which ranks read the files, the largest
                                                           parameter and buffer differences from the files
+    python xla_worker.py garbage  MODE                 -> trains 3 steps in which every device drops a cycle
+                                                          holding a lazy tensor, and the cycle collector
+                                                          runs after device 0 dropped its cycle, before
+                                                          device 1 does: JSON of the losses
+    python xla_worker.py fallbacks MODE                -> JSON: the CPU-fallback ops torch_xla has counted
+                                                          right after shard(), before any other code ran
     python xla_worker.py spawn    MODE                 -> xmp.spawn straight away (no shardcore launcher):
                                                           prints the error shard() raises, as JSON
 MODE is "spmd" (xla_fsdp_v2) or "fsdp" (XlaFullyShardedDataParallel). With "fsdp" and CPU_NUM_DEVICES
@@ -20,6 +26,7 @@ MODE is "spmd" (xla_fsdp_v2) or "fsdp" (XlaFullyShardedDataParallel). With "fsdp
 prints.
 """
 import functools
+import gc
 import json
 import os
 import sys
@@ -151,6 +158,33 @@ def run(cmd: str, mode: str, rank: int) -> None:
         dump(backend, model, opt, f"{out}/saved.safetensors", rank)
         return
     model, backend = sharded_llama(mode)
+    if cmd == "fallbacks":
+        import torch_xla.debug.metrics as met
+
+        emit(json.dumps({"fallbacks": sorted(met.executed_fallback_ops())}), flush=True)
+        return
+    if cmd == "garbage":
+        threads = backend._threads
+        opt, losses = torch.optim.AdamW(model.parameters(), lr=1e-2), []
+        for batch in make_batches("llama", 3, 8, 0):
+            loss = loss_fn("llama", model, backend.local_batch(batch))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            # what automatic collection does now and then, made certain: it runs, on any thread,
+            # between two devices' drops of an autograd graph or a hook closure
+            for turn in range(threads.size):
+                if rank == turn:
+                    junk = [loss * 2]
+                    junk.append(junk)
+                    del junk
+                    if turn == 0:
+                        gc.collect()
+                threads.wait()
+            backend.step_end()
+            losses.append(float(loss))
+        emit(json.dumps({"losses": losses}), flush=True)
+        return
     if cmd == "compile":
         counts = []
         train(model, backend, int(sys.argv[3]), lambda i: counts.append(backend.compile_count()))

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardcore import safe_dcp
 from shardcore.config import ShardConfig
 from shardcore.distributed import TorchDistributedRuntime, ensure_process_group
 from shardcore.plan import WrapPlan
@@ -109,11 +110,11 @@ class FSDP2Backend(TorchDistributedRuntime):
         dcp.save(_sharded_state(model, optimizer), checkpoint_id=path)
 
     def load_sharded_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str) -> None:
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         state = _sharded_state(model, optimizer)
-        dcp.load(state, checkpoint_id=path)  # reshards: the saving run may have had another world size
+        # reshards (the saving run may have had another world size); runs no code from the files
+        safe_dcp.load(state, path)
         set_model_state_dict(model, state["model"])
         if optimizer is not None:
             set_optimizer_state_dict(model, optimizer, state["optimizer"])

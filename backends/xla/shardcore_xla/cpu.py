@@ -12,7 +12,26 @@ below can be left out (each piece was removed in turn; the run then aborted at a
 * ``PJRT_CPU_ASYNC_CLIENT=0``: the asynchronous CPU client (the default) chains launches, and two
   devices' collectives deadlock until XLA's fixed 10 s rendezvous abort;
 * ``XLA_THREAD_POOL_SIZE >= devices``: each device's execution holds a torch_xla pool thread at the
-  rendezvous; the default pool is the core count, so more devices than cores never all arrive.
+  rendezvous; the default pool is the core count, so more devices than cores never all arrive;
+* the cycle collector runs once, with every device thread stopped, right before the serialized
+  syncs: ``torch_xla.sync()`` makes every *live* tensor of the device an output of the step's graph,
+  and a lazy tensor held by cyclic garbage (autograd graphs, hook closures) is live until the
+  collector happens to run. When it ran on one device's garbage and not yet on another's (any
+  allocation may trigger it, on any thread), the two graphs differed by an output, the second
+  device compiled a module of its own and the run aborted at a rendezvous, now and then (repro:
+  ``tests/test_xla.py::test_cyclic_garbage_does_not_split_the_step_graph``). A full collection of a
+  process that imported Transformers scans ~490k objects (~200 ms), so the first step end freezes
+  what is alive then (``gc.freeze()``: the model, the optimizer, the imported modules; reference
+  counting still frees them) and every later collection scans only what training created (~0.1 ms).
+
+torch_xla 2.9 counts CPU-fallback ops (an op it has no lowering for, ``.item()`` among them) in a
+plain ``std::unordered_map`` (``torch_xla::_fallback_counters``) that ``xla_fallback`` searches and
+inserts into without a lock. The first fallback of each op name inserts. Device threads reach their
+first ``.item()`` together, when a loop reads its loss right after the step end, and one thread's
+insert (a rehash) under another's lookup crashed the process with a segfault in
+``_Hashtable<string, Counter*>::_M_find_before_node`` (seen in dmesg now and then, the device
+process gone without a message). The group's creator inserts that counter first
+(:func:`_insert_fallback_counters`), while the other threads wait for the group.
 
 ``torch_xla.utils.checkpoint.chkpt_status`` ("this thread is in a checkpointed backward", which tells
 XLA FSDP to skip an all-gather) is one object for the process; device threads would read each
@@ -25,6 +44,8 @@ so barriers, broadcasts and gathers between device threads go through Python mem
 """
 from __future__ import annotations
 
+import gc
+import logging
 import os
 import threading
 from typing import Any
@@ -36,6 +57,7 @@ from shardcore.errors import DistributedSetupError
 ASYNC_CLIENT = "PJRT_CPU_ASYNC_CLIENT"
 POOL_SIZE = "XLA_THREAD_POOL_SIZE"
 _FALSE = ("0", "false", "False", "FALSE")
+log = logging.getLogger(__name__)
 
 
 def recipe_env(devices: int) -> dict[str, str]:
@@ -145,14 +167,24 @@ class DeviceThreads:
         self.timeout = timeout
         self._lock = threading.Lock()
         self._barrier = threading.Barrier(size, timeout=timeout)
+        # its action runs in one thread once all have arrived and before any leaves
+        self._collecting = threading.Barrier(size, action=self._start_round, timeout=timeout)
         self._slots: list[Any] = [None] * size
-        self._turn = 0  # syncs taken under the lock: the first of each round may compile
+        self._synced = 0  # syncs of this round so far: only the first may compile
+        self._frozen = False
 
-    def wait(self) -> None:
+    def _start_round(self) -> None:
+        gc.collect()
+        if not self._frozen:
+            gc.freeze()
+            self._frozen = True
+        self._synced = 0
+
+    def wait(self, barrier: threading.Barrier | None = None) -> None:
         try:
             if _FAILED.is_set():
                 raise threading.BrokenBarrierError
-            self._barrier.wait()
+            (barrier or self._barrier).wait()
         except threading.BrokenBarrierError:
             raise DistributedSetupError(
                 f"shardcore xla: a device thread did not arrive within {self.timeout:g} s, or failed (see its "
@@ -161,28 +193,33 @@ class DeviceThreads:
 
     def abort(self) -> None:
         self._barrier.abort()
+        self._collecting.abort()
 
     def sync(self) -> None:
         """``torch_xla.sync()`` on every device thread, one after another, so that all of them run the
         module the first one compiled."""
         import torch_xla
 
-        self.wait()  # every thread has traced this step
+        self.wait(self._collecting)  # every thread has traced this step; no cyclic garbage is left
         with self._lock:
-            first = self._turn % self.size == 0
-            self._turn += 1
+            first = self._synced == 0
+            self._synced += 1
             before = torch_xla._XLAC._xla_get_num_cached_compilation_graph()
             torch_xla.sync()
             compiled = torch_xla._XLAC._xla_get_num_cached_compilation_graph() > before
         if compiled and not first:
-            # its collectives are keyed by its own module: they will never meet the others'
-            raise DistributedSetupError(
+            # its collectives are keyed by its own module and will never meet the others'; XLA kills
+            # the process 10 s from now, before a raised error could be printed, so log it first
+            message = (
                 "shardcore xla: this device traced a different step graph than the device that synced "
                 "first and compiled a module of its own; the devices' collectives cannot meet, and XLA "
                 "aborts the process after 10 s. The step's Python took a data-dependent branch on a lazy "
                 "tensor (Python max(), min() or an if on a tensor, .item()), or the devices ran different "
-                "code. Keep the step the same on every device; compute on tensors instead."
+                "code, or kept different tensors alive. Keep the step the same on every device; compute "
+                "on tensors instead."
             )
+            log.error(message)
+            raise DistributedSetupError(message)
         self.wait()  # every thread has queued this step before any traces the next
 
     def exchange(self, rank: int, obj: Any) -> list[Any]:
@@ -212,8 +249,21 @@ def device_threads(size: int, timeout: float) -> DeviceThreads:
     with _GROUPS_LOCK:
         group = _GROUPS.get(size)
         if group is None:
+            _insert_fallback_counters()
             group = _GROUPS[size] = DeviceThreads(size, timeout)
         return group
+
+
+def _insert_fallback_counters() -> None:
+    """Make torch_xla insert its counter of ``.item()`` (``aten::_local_scalar_dense``, the CPU
+    fallback every training loop that reads a value hits) while no other device thread runs XLA ops;
+    afterwards the threads only look it up, which is safe concurrently. Other fallback ops that
+    several device threads reach for the first time at once still race inside torch_xla."""
+    import torch_xla
+    import torch_xla.debug.metrics as met
+
+    if "aten::_local_scalar_dense" not in met.executed_fallback_ops():
+        torch.zeros((), device=torch_xla.device()).item()
 
 
 def aborted() -> bool:

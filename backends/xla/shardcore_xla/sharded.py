@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from shardcore import safe_dcp
 from shardcore.errors import CheckpointError
 
 INDEX = "shards.json"
@@ -72,11 +73,17 @@ def save_spmd(model: nn.Module, optimizer: Any, path: str, strip: Callable[[str]
 
 
 def load_spmd(model: nn.Module, optimizer: Any, path: str, strip: Callable[[str], str]) -> None:
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._traverse import set_element
     from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
 
+    class SafeSPMDLoadPlanner(SPMDLoadPlanner):
+        """Non-tensor entries read with ``torch.load(weights_only=True)``, whatever torch's default."""
+
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], safe_dcp.load_bytes(value))
+
     state = spmd_state(model, optimizer, strip, prime=True)
-    dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=SPMDLoadPlanner())
+    safe_dcp.load(state, path, SafeSPMDLoadPlanner())
     if optimizer is not None:
         restore_param_groups(optimizer, json.loads(Path(path, GROUPS).read_text()), f"the checkpoint at {path!r}")
 

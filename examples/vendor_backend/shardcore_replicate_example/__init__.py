@@ -42,6 +42,12 @@ class ReplicateBackend(TorchDistributedRuntime):
                     p.register_post_accumulate_grad_hook(_average_grad)
         return model
 
+    # -- optional capability: shardcore.clip_grad_norm_ (shardcore.backend.GradClipping) ---------
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
+        """Every rank holds the whole averaged gradient, so torch's own clipping is already global.
+        (A sharding backend must reduce the norm over ranks; the suite's clip-* cases check that.)"""
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+
     # -- conformance hooks ----------------------------------------------------------------------
     def grad_sq_sum(self, model: nn.Module) -> torch.Tensor:
         """Sum of squared gradient entries of the whole model. Every rank holds all of it (already

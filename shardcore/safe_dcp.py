@@ -92,7 +92,7 @@ def load_bytes(value: io.BytesIO) -> Any:
         ) from None
 
 
-def load(state: dict[str, Any], path: str, planner: Any = None) -> None:
+def load(state: dict[str, Any], path: str, load_planner: Any = None) -> None:
     """``torch.distributed.checkpoint.load`` of ``path`` into ``state`` through :func:`reader` and a
     safe planner (default :func:`planner`). A :class:`CheckpointError` raised on a rank inside DCP
     comes out as itself, not wrapped in DCP's ``CheckpointException``."""
@@ -100,7 +100,7 @@ def load(state: dict[str, Any], path: str, planner: Any = None) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        dcp.load(state, storage_reader=reader(path), planner=planner if planner is not None else globals()["planner"]())
+        dcp.load(state, storage_reader=reader(path), planner=load_planner if load_planner is not None else planner())
     except CheckpointException as e:
         ours = next((exc for exc, _ in e.failures.values() if isinstance(exc, CheckpointError)), None)
         if ours is not None:

@@ -19,6 +19,9 @@
                                                           device 1 does: JSON of the losses
     python xla_worker.py fallbacks MODE                -> JSON: the CPU-fallback ops torch_xla has counted
                                                           right after shard(), before any other code ran
+    python xla_worker.py recycled MODE BACKEND       -> JSON: whether a unit output that took the id of a
+                                                          dead, hooked output gets XLA FSDP's pre-backward
+                                                          hook (BACKEND: xla, or module:Class)
     python xla_worker.py spawn    MODE                 -> xmp.spawn straight away (no shardcore launcher):
                                                           prints the error shard() raises, as JSON
 MODE is "spmd" (xla_fsdp_v2) or "fsdp" (XlaFullyShardedDataParallel). With "fsdp" and CPU_NUM_DEVICES
@@ -48,6 +51,31 @@ def sharded_llama(mode: str, grad_ckpt: bool = False, hook=None, **extra):
         model.model.layers[0].mlp.register_forward_hook(hook)
     model = shardcore.shard(model, cfg)
     return model, shardcore.handle(model).backend
+
+
+def recycled_id(backend_name: str) -> dict:
+    """Whether a unit output whose id CPython recycled from a dead, hooked output still gets XLA
+    FSDP's pre-backward hook. On one thread the allocator seldom recycles an id there (device
+    threads interleave their allocations, and then it happens); here the collision is made: a
+    hooked output is dropped and tensors are made until one takes its address."""
+    cfg = {"xla": True, "transformer_layer_cls_to_wrap": ["LlamaAttention", "Embedding"]}
+    model = shardcore.shard(build_model("llama", 0), cfg, backend=backend_name)
+    backend = shardcore.handle(model).backend
+    train(model, backend, 1)  # the root's lazy init sets up the shared set of hooked output ids
+    loss = loss_fn("llama", model, backend.local_batch(next(iter(make_batches("llama", 1, 8, 0)))))
+    base = torch.ones(3, device=torch_xla.device(), requires_grad=True)
+    first, dropped = base * 2, base * 3
+    unit = model.model.layers[0].self_attn
+    unit._register_pre_backward_hooks((first, dropped))  # a unit returning two outputs hooks both
+    stale, hooked_before = id(dropped), bool(dropped._backward_hooks)
+    del dropped
+    made = []
+    while len(made) < 100_000 and id(made[-1] if made else None) != stale:
+        made.append(base * 4)
+    second = made[-1]
+    unit._register_pre_backward_hooks((base * 5, second))
+    loss.backward()  # ends the step: XLA FSDP clears the set
+    return {"collided": id(second) == stale, "hooked_before": hooked_before, "hooked": bool(second._backward_hooks)}
 
 
 def dump(backend, model, opt, path: str, rank: int) -> None:
@@ -145,6 +173,9 @@ def run(cmd: str, mode: str, rank: int) -> None:
         return
     if cmd == "efficient":
         efficient(mode, sys.argv[3], rank, emit)
+        return
+    if cmd == "recycled":
+        emit(json.dumps(recycled_id(sys.argv[3])), flush=True)
         return
     if cmd == "resume":
         kind, src, out = sys.argv[3:6]

@@ -24,6 +24,10 @@ below can be left out (each piece was removed in turn; the run then aborted at a
   what is alive then (``gc.freeze()``: the model, the optimizer, the imported modules; reference
   counting still frees them) and every later collection scans only what training created (~0.1 ms).
 
+Devices must also trace the same graph. Besides the cycle collector, torch_xla's XLA FSDP made them
+differ: it skips the pre-backward hook of an output whose ``id()`` it recorded for an earlier, dead
+output, and device threads recycle addresses differently (fixed in unit_fix.py, fix 3).
+
 torch_xla 2.9 counts CPU-fallback ops (an op it has no lowering for, ``.item()`` among them) in a
 plain ``std::unordered_map`` (``torch_xla::_fallback_counters``) that ``xla_fallback`` searches and
 inserts into without a lock. The first fallback of each op name inserts. Device threads reach their

@@ -15,7 +15,18 @@ autograd ancestor of the first). Users cannot change their model's outputs, so s
    barrier then raises "Invoked with: [None]". Fix: ``optimization_barrier_in_backward=False`` on
    checkpointed units (the barrier only orders XLA's scheduling; the values are the same).
 
-Both touch torch_xla private members; :func:`check_private_api` verifies they exist, and
+3. Pre-backward hooks skipped now and then. XLA FSDP decides whether an output already has its hook
+   by ``id(t) in _output_pre_backward_hook_registered``, a set of the ids of every unit output of the
+   forward, shared by the root's units and cleared when backward ends. An output whose Python object
+   died (``attn_output`` after the residual add) leaves its id behind, and CPython gives a later
+   object the same address: a later unit's second output (``attn_weights``, the root's ``logits``)
+   is taken for hooked and gets no hook. Which ids collide depends on the allocator, so it differs
+   from step to step and from device to device: graphs change (one fewer optimization barrier or
+   all-gather), every change recompiles, and on several CPU devices in one process two devices ran
+   different modules and XLA aborted the process at a rendezvous. Fix: the set forgets an id once
+   the object it was recorded for is gone (:class:`LiveIds`).
+
+All touch torch_xla private members; :func:`check_private_api` verifies they exist, and
 ``VERIFIED`` names the torch_xla releases the fixes were verified on (parity with eager CPU over
 every unit shape of the conformance suite).
 """
@@ -23,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -31,7 +43,8 @@ log = logging.getLogger(__name__)
 VERIFIED = ("2.9",)
 # methods overridden or called; the instance attributes (full_params, _has_full_param,
 # _require_backward_grad_sync) are read with getattr and checked in the tests
-_PRIVATE = ("_wait_for_post_backward", "_free_full_params", "_rebuild_full_params")
+_PRIVATE = ("_wait_for_post_backward", "_free_full_params", "_rebuild_full_params", "_register_pre_backward_hooks",
+            "_setup_output_hook_and_backward_opt_barrier_lists")
 
 
 def warn_if_unverified(version: str) -> None:
@@ -47,7 +60,7 @@ def warn_if_unverified(version: str) -> None:
 
 @functools.lru_cache(maxsize=None)
 def fsdp_class() -> type:
-    """``XlaFullyShardedDataParallel`` with fix 1."""
+    """``XlaFullyShardedDataParallel`` with fixes 1 and 3."""
     import torch_xla
     from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
 
@@ -56,11 +69,26 @@ def fsdp_class() -> type:
 
     class ShardcoreXlaFSDP(FSDP):
         """XlaFullyShardedDataParallel that frees full parameters a unit re-gathered after its
-        post-backward hook ran (see the module docstring)."""
+        post-backward hook ran, and hooks every output whatever ids CPython recycles (see the
+        module docstring)."""
 
         def _wait_for_post_backward(self) -> None:
             super()._wait_for_post_backward()
             free_leftover_full_params(self)
+
+        def _setup_output_hook_and_backward_opt_barrier_lists(self) -> None:
+            super()._setup_output_hook_and_backward_opt_barrier_lists()
+            live = LiveIds()
+            for m in self.modules():
+                if isinstance(m, FSDP):
+                    m._output_pre_backward_hook_registered = live
+
+        def _register_pre_backward_hooks(self, outputs: Any) -> Any:
+            registered = self._output_pre_backward_hook_registered
+            outputs = super()._register_pre_backward_hooks(outputs)
+            if isinstance(registered, LiveIds):
+                registered.track(outputs)
+            return outputs
 
     return ShardcoreXlaFSDP
 
@@ -80,6 +108,40 @@ def free_leftover_full_params(root: Any) -> int:
             m._free_full_params(stale, apply_opt_barrier=m.optimization_barrier_in_backward)
             freed += len(stale)
     return freed
+
+
+class LiveIds(set):
+    """XLA FSDP's set of hooked output ids (fix 3), which holds an id only while the object it was
+    recorded for is alive: a tensor whose id is recycled is not taken for hooked.
+
+    torch_xla adds bare ids (``add(id(t))``) and tests them (``id(t) in``); :meth:`track`, called
+    right after each unit's outputs were hooked, pins each new id to its tensor through a weak
+    reference. Until then an id's object is alive: it is one of the outputs being returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._refs: dict[int, weakref.ref] = {}
+
+    def __contains__(self, key: object) -> bool:
+        if not super().__contains__(key):
+            return False
+        ref = self._refs.get(key)  # type: ignore[arg-type]
+        if ref is not None and ref() is None:
+            self.discard(key)
+            del self._refs[key]  # type: ignore[arg-type]
+            return False
+        return True
+
+    def track(self, outputs: Any) -> None:
+        from torch_xla.distributed.fsdp.xla_fully_sharded_data_parallel import collect_tensors
+
+        for t in collect_tensors(outputs):
+            if super().__contains__(id(t)) and id(t) not in self._refs:
+                self._refs[id(t)] = weakref.ref(t)
+
+    def clear(self) -> None:
+        super().clear()
+        self._refs.clear()
 
 
 def checkpointed_unit_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -6,7 +6,7 @@ PYTHON ?= python3
 STAMP  := $(VENV)/.shardcore-installed
 DEPS   := requirements.txt pyproject.toml backends/fsdp2/pyproject.toml backends/xla/pyproject.toml conformance/pyproject.toml
 
-.PHONY: setup demo test conformance conformance-xla clean
+.PHONY: setup demo lint format test conformance conformance-xla clean
 
 setup: $(STAMP)
 
@@ -19,7 +19,17 @@ $(STAMP): $(DEPS)
 demo: setup
 	USE_TORCH_XLA=0 $(VENV)/bin/torchrun --standalone --nproc_per_node 2 examples/demo.py
 
-test: setup
+# ruff's settings are in pyproject.toml: pyflakes (undefined names, unused imports), import order,
+# and the formatter at one line length
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+test: lint
 	$(PY) -m pytest -q -rs tests
 
 conformance: setup

@@ -1,4 +1,5 @@
 """Shared by the benchmark scripts: the model, rank launching with a deadline, machine description."""
+
 from __future__ import annotations
 
 import json
@@ -17,16 +18,48 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 # "full": a step takes ~100 ms on one CPU core per rank; "tiny": seconds for a smoke test.
 LLAMA_SIZES = {
-    "tiny": dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, seq=16, batch=2),
-    "full": dict(vocab_size=1024, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
-                 num_attention_heads=8, num_key_value_heads=4, seq=64, batch=4),
+    "tiny": dict(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        seq=16,
+        batch=2,
+    ),
+    "full": dict(
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        seq=64,
+        batch=4,
+    ),
     # dim-0 sizes that no world size divides: shows the padding of the last shard
-    "odd": dict(vocab_size=1001, hidden_size=130, intermediate_size=345, num_hidden_layers=3,
-                num_attention_heads=5, num_key_value_heads=5, seq=64, batch=4),
+    "odd": dict(
+        vocab_size=1001,
+        hidden_size=130,
+        intermediate_size=345,
+        num_hidden_layers=3,
+        num_attention_heads=5,
+        num_key_value_heads=5,
+        seq=64,
+        batch=4,
+    ),
     # for a GPU: big enough that the step is compute-bound
-    "gpu": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
-                num_attention_heads=16, num_key_value_heads=8, seq=2048, batch=4),
+    "gpu": dict(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        seq=2048,
+        batch=4,
+    ),
 }
 
 
@@ -35,8 +68,12 @@ def build_llama(size: str, seed: int = 0) -> torch.nn.Module:
 
     kw = {k: v for k, v in LLAMA_SIZES[size].items() if k not in ("seq", "batch")}
     torch.manual_seed(seed)
-    cfg = LlamaConfig(max_position_embeddings=max(LLAMA_SIZES[size]["seq"], 64), tie_word_embeddings=False,
-                      attn_implementation="sdpa", **kw)
+    cfg = LlamaConfig(
+        max_position_embeddings=max(LLAMA_SIZES[size]["seq"], 64),
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+        **kw,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -97,22 +134,35 @@ def write_result(name: str, data: dict[str, Any], out: str | None) -> Path:
 def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str, env: dict) -> None:
     os.environ.update(env)
     os.environ.setdefault("USE_TORCH_XLA", "0")
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     result = fn(rank, world_size, *args)
     tmp = Path(out_dir) / f".{rank}.json"
     tmp.write_text(json.dumps(result))
     os.replace(tmp, Path(out_dir) / f"{rank}.json")
 
 
-def run_ranks(fn: Callable, world_size: int, args: tuple = (), timeout_s: float = 600, env: dict | None = None) -> list[Any]:
+def run_ranks(
+    fn: Callable, world_size: int, args: tuple = (), timeout_s: float = 600, env: dict | None = None
+) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes with the torchrun
     environment; return each rank's (JSON-able) result. Killed and raised after ``timeout_s``."""
     from shardcore_conformance.launch import free_port
 
     with tempfile.TemporaryDirectory(prefix="shardcore-bench-") as tmp:
-        ctx = mp.start_processes(_rank_main, args=(world_size, free_port(), fn, args, tmp, env or {}),
-                                 nprocs=world_size, join=False, start_method="spawn")
+        ctx = mp.start_processes(
+            _rank_main,
+            args=(world_size, free_port(), fn, args, tmp, env or {}),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
         deadline = time.time() + timeout_s
         try:
             while not ctx.join(timeout=0.5):

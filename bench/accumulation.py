@@ -23,6 +23,7 @@ the two variants at the end (the same training, up to summation order).
     python bench/accumulation.py --xla              # and XLA FSDP, if torch_xla is installed
     python bench/accumulation.py --size tiny --steps 2 --warmup 1      # the smoke test
 """
+
 from __future__ import annotations
 
 import argparse
@@ -100,6 +101,7 @@ def fsdp2_rank(rank: int, world_size: int, size: str, accum: int, steps: int, wa
         def wrapper(*a, **kw):
             calls[0] += 1
             return fn(*a, **kw)
+
         return wrapper
 
     # FSDP2 looks these up on torch.distributed at call time
@@ -115,8 +117,10 @@ def fsdp2_rank(rank: int, world_size: int, size: str, accum: int, steps: int, wa
         return [batch(size, i * accum + j, rank, device) for j in range(accum)]
 
     res = _measure(models, opts, data, steps, warmup, lambda: calls[0], lambda: None, sync)
-    diff = max(float((a.full_tensor() - b.full_tensor()).abs().max())
-               for a, b in zip(models["no_sync"].parameters(), models["every"].parameters()))
+    diff = max(
+        float((a.full_tensor() - b.full_tensor()).abs().max())
+        for a, b in zip(models["no_sync"].parameters(), models["every"].parameters())
+    )
     res["units"], res["max_param_diff"], res["world_size"] = units, diff, sc.world_size
     res["reductions_per_backward"] = units  # FSDP2: one reduce-scatter per unit (its parameters flattened)
     return res
@@ -125,12 +129,21 @@ def fsdp2_rank(rank: int, world_size: int, size: str, accum: int, steps: int, wa
 def run_fsdp2(size: str, accum: int, steps: int, warmup: int, world_size: int = 2) -> dict:
     threads = max(1, (os.cpu_count() or 2) // world_size) if not torch.cuda.is_available() else 4
     per_rank = run_ranks(fsdp2_rank, world_size, (size, accum, steps, warmup, threads), timeout_s=1800)
-    return _report("fsdp2", per_rank, size, accum, steps, warmup, "reduce_scatter_tensor + all_reduce calls",
-                   "cuda" if torch.cuda.is_available() else "cpu")
+    return _report(
+        "fsdp2",
+        per_rank,
+        size,
+        accum,
+        steps,
+        warmup,
+        "reduce_scatter_tensor + all_reduce calls",
+        "cuda" if torch.cuda.is_available() else "cpu",
+    )
 
 
-def _report(backend: str, per_rank: list[dict], size: str, accum: int, steps: int, warmup: int, what: str,
-            device: str) -> dict:
+def _report(
+    backend: str, per_rank: list[dict], size: str, accum: int, steps: int, warmup: int, what: str, device: str
+) -> dict:
     r0 = per_rank[0]
     # CPU seconds of all ranks together (device threads: one process, so one figure)
     cpu = {k: [sum(r[k]["cpu"][i] for r in per_rank) for i in range(steps)] for k in VARIANTS}
@@ -151,7 +164,8 @@ def _report(backend: str, per_rank: list[dict], size: str, accum: int, steps: in
         "cpu_s": {k: summary(cpu[k]) for k in VARIANTS},
         "cpu_ratio_no_sync_over_every": statistics.median(cpu["no_sync"]) / statistics.median(cpu["every"]),
         "wall_s": {k: summary(r0[k]["wall"]) for k in VARIANTS},
-        "wall_ratio_no_sync_over_every": statistics.median(r0["no_sync"]["wall"]) / statistics.median(r0["every"]["wall"]),
+        "wall_ratio_no_sync_over_every": statistics.median(r0["no_sync"]["wall"])
+        / statistics.median(r0["every"]["wall"]),
         "max_param_diff": max(r["max_param_diff"] for r in per_rank),
     }
 
@@ -164,8 +178,20 @@ def run_xla(size: str, accum: int, steps: int, warmup: int, devices: int = 2) ->
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices))
     env.pop("USE_TORCH_XLA", None)
     with tempfile.TemporaryDirectory(prefix="shardcore-bench-") as tmp:
-        cmd = [sys.executable, __file__, "--_xla-child", tmp, "--size", size, "--accum", str(accum),
-               "--steps", str(steps), "--warmup", str(warmup)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--_xla-child",
+            tmp,
+            "--size",
+            size,
+            "--accum",
+            str(accum),
+            "--steps",
+            str(steps),
+            "--warmup",
+            str(warmup),
+        ]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
         if out.returncode != 0:
             return {"backend": "xla", "error": out.stderr[-4000:]}
@@ -174,8 +200,16 @@ def run_xla(size: str, accum: int, steps: int, warmup: int, devices: int = 2) ->
     for r in per_rank[1:]:
         for k in VARIANTS:
             r[k]["cpu"] = [0.0] * len(r[k]["cpu"])
-    return _report("xla (XlaFullyShardedDataParallel)", per_rank, size, accum, steps, warmup,
-                   "reduce-scatters traced by the units", f"PJRT CPU x{devices}")
+    return _report(
+        "xla (XlaFullyShardedDataParallel)",
+        per_rank,
+        size,
+        accum,
+        steps,
+        warmup,
+        "reduce-scatters traced by the units",
+        f"PJRT CPU x{devices}",
+    )
 
 
 def _xla_child(out_dir: str, size: str, accum: int, steps: int, warmup: int) -> None:
@@ -185,8 +219,9 @@ def _xla_child(out_dir: str, size: str, accum: int, steps: int, warmup: int) -> 
 
     # built here, not in the device threads (Transformers' lazy imports are not thread-safe)
     init = build_llama(size).state_dict()
-    shardcore.get_backend("xla").run_on_devices(functools.partial(
-        _xla_device, out_dir=out_dir, size=size, accum=accum, steps=steps, warmup=warmup, init=init))
+    shardcore.get_backend("xla").run_on_devices(
+        functools.partial(_xla_device, out_dir=out_dir, size=size, accum=accum, steps=steps, warmup=warmup, init=init)
+    )
 
 
 # Transformers' lazy module loading is not thread-safe: device threads build their models one at a time
@@ -262,13 +297,19 @@ def main() -> None:
             failed = True
             continue
         calls, goal = r["calls_per_optimizer_step"], r["goal_calls"]
-        print(f"{r['backend']} on {r['world_size']} ranks ({r['device']}), {r['units']} units, "
-              f"{r['reductions_per_backward']} gradient reductions per backward, accum {r['accum']}, model {r['model']['size']}")
-        print(f"  {r['counted']} per optimizer step: no_sync {calls['no_sync']} (goal {goal['no_sync']}), "
-              f"every micro-batch {calls['every']} (goal {goal['every']})")
-        print(f"  cpu-time ratio no_sync/every {r['cpu_ratio_no_sync_over_every']:.3f}  "
-              f"wall-time ratio {r['wall_ratio_no_sync_over_every']:.3f}  "
-              f"max parameter difference {r['max_param_diff']:.2e}")
+        print(
+            f"{r['backend']} on {r['world_size']} ranks ({r['device']}), {r['units']} units, "
+            f"{r['reductions_per_backward']} gradient reductions per backward, accum {r['accum']}, model {r['model']['size']}"
+        )
+        print(
+            f"  {r['counted']} per optimizer step: no_sync {calls['no_sync']} (goal {goal['no_sync']}), "
+            f"every micro-batch {calls['every']} (goal {goal['every']})"
+        )
+        print(
+            f"  cpu-time ratio no_sync/every {r['cpu_ratio_no_sync_over_every']:.3f}  "
+            f"wall-time ratio {r['wall_ratio_no_sync_over_every']:.3f}  "
+            f"max parameter difference {r['max_param_diff']:.2e}"
+        )
         failed |= calls != goal
     path = write_result("accumulation", {"results": results}, args.out)
     print(f"wrote {path}")

@@ -8,6 +8,7 @@ attention FLOPs per token, over the GPUs' dense bf16 peak). Without CUDA it says
 
     python bench/gpu.py --out results/gpu.json       # ~3-5 minutes on one H100/H200
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import LLAMA_SIZES, batch, build_llama, run_ranks, summary, write_result  # noqa: E402
 
 # dense bf16 peak per GPU, TFLOP/s (vendor data sheets; SXM parts)
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0, "V100": 125.0}
+PEAK_BF16_TFLOPS = {
+    "H200": 989.0,
+    "H100": 989.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+    "L4": 121.0,
+    "A10": 125.0,
+    "V100": 125.0,
+}
 THROUGHPUT_CONFIG = {"version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "mixed_precision": "bf16"}
 
 
@@ -88,8 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", choices=sorted(LLAMA_SIZES), default="gpu", help="model for the throughput figure")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench/gpu.py: no CUDA device here (torch.cuda.is_available() is False); nothing measured. "
-              "Run bench/overhead.py and bench/memory.py for the CPU figures.")
+        print(
+            "bench/gpu.py: no CUDA device here (torch.cuda.is_available() is False); nothing measured. "
+            "Run bench/overhead.py and bench/memory.py for the CPU figures."
+        )
         return 0
     import memory
     import overhead
@@ -107,8 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     out["throughput"] = run_throughput(args.size, args.steps, 3, ngpu)
     t = out["throughput"]
     mfu = f"{t['mfu'] * 100:.1f}%" if t["mfu"] is not None else "n/a (unknown GPU peak)"
-    print(f"throughput: {t['model']['params'] / 1e6:.0f}M-param Llama, bf16, {ngpu} GPU(s): "
-          f"{t['tokens_per_s']:,.0f} tokens/s, {t['model_tflops_per_s']:.1f} TFLOP/s, MFU {mfu}", flush=True)
+    print(
+        f"throughput: {t['model']['params'] / 1e6:.0f}M-param Llama, bf16, {ngpu} GPU(s): "
+        f"{t['tokens_per_s']:,.0f} tokens/s, {t['model_tflops_per_s']:.1f} TFLOP/s, MFU {mfu}",
+        flush=True,
+    )
     path = write_result("gpu", out, args.out)
     print(f"written: {path}")
     return 0

@@ -12,6 +12,7 @@ before the load (after loading a tiny model the same way, so imports are not cou
 peak over its RSS before the load, and that growth as a ratio to rank 0's in the same run.
 Linux only (``/proc``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,9 +70,15 @@ def build(model_dir: Path, layers: int, hidden: int, vocab: int = 32000) -> int:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 64 * 64,
-        num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64,
-        max_position_embeddings=2048, tie_word_embeddings=False, dtype="float32",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 8 // 3 // 64 * 64,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        dtype="float32",
     )
     torch.manual_seed(0)
     with torch.device("cpu"):
@@ -89,7 +96,9 @@ def main() -> None:
     ap.add_argument("--model-dir", help="an existing save_pretrained directory (default: build one)")
     ap.add_argument("--out", help="also write the table to this Markdown file")
     ap.add_argument("--timeout", type=float, default=900)
-    ap.add_argument("--worker", nargs=4, metavar=("MODEL_DIR", "WARMUP_DIR", "EFFICIENT", "OUT"), help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--worker", nargs=4, metavar=("MODEL_DIR", "WARMUP_DIR", "EFFICIENT", "OUT"), help=argparse.SUPPRESS
+    )
     args = ap.parse_args()
     if args.worker:
         worker(args.worker[0], args.worker[1], args.worker[2] == "1", args.worker[3])
@@ -109,14 +118,36 @@ def main() -> None:
         for label, efficient in MODES.items():
             out = Path(tmp, label.replace(" ", "_"))
             out.mkdir()
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
-                   __file__, "--worker", str(model_dir), str(warmup_dir), "1" if efficient else "0", str(out)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node",
+                str(args.nproc),
+                __file__,
+                "--worker",
+                str(model_dir),
+                str(warmup_dir),
+                "1" if efficient else "0",
+                str(out),
+            ]
             subprocess.run(cmd, env=env, check=True, timeout=args.timeout, stdout=subprocess.DEVNULL)
             ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(args.nproc)]
             base = ranks[0]["peak_kb"] - ranks[0]["before_kb"]
             for r in ranks:
                 grow = r["peak_kb"] - r["before_kb"]
-                rows.append((label, r["rank"], r["before_kb"] / 1024, r["peak_kb"] / 1024, grow / 1024, grow / base, r["seconds"]))
+                rows.append(
+                    (
+                        label,
+                        r["rank"],
+                        r["before_kb"] / 1024,
+                        r["peak_kb"] / 1024,
+                        grow / 1024,
+                        grow / base,
+                        r["seconds"],
+                    )
+                )
 
     params = f"{n / 1e6:.0f}M parameters, " if n else ""
     lines = [
@@ -126,7 +157,9 @@ def main() -> None:
         "| mode | rank | RSS before (MiB) | peak RSS (MiB) | peak growth in load (MiB) | growth / rank 0's | load s |",
         "|---|---|---|---|---|---|---|",
     ]
-    lines += [f"| {m} | {r} | {b:.0f} | {p:.0f} | {g:.0f} | {ratio:.2f} | {s:.1f} |" for m, r, b, p, g, ratio, s in rows]
+    lines += [
+        f"| {m} | {r} | {b:.0f} | {p:.0f} | {g:.0f} | {ratio:.2f} | {s:.1f} |" for m, r, b, p, g, ratio, s in rows
+    ]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

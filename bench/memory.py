@@ -14,6 +14,7 @@ measurement as estimate / measured.
     python bench/memory.py                      # writes bench/results/memory.json
     python bench/memory.py --sizes tiny --world-sizes 1 2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -81,20 +82,22 @@ def run(size: str, world_sizes: list[int], timeout_s: float = 900) -> dict:
         estimate = {"params": est.param_bytes, "grads": est.grad_bytes, "adamw_state": est.optim_bytes}
         largest = max(range(ws), key=lambda r: sum(per_rank[r][k] for k in KINDS))
         total_full = sum(full.values())
-        rows.append({
-            "world_size": ws,
-            "per_rank_bytes": per_rank,
-            "ideal_bytes_per_rank": {k: full[k] / ws for k in KINDS},
-            "ratio_to_ideal": {  # largest rank's bytes / (full / world size)
-                **{k: max(r[k] for r in per_rank) / (full[k] / ws) for k in KINDS},
-                "total": sum(per_rank[largest][k] for k in KINDS) / (total_full / ws),
-            },
-            "estimate_bytes": {**estimate, "total": est.total},
-            "estimate_over_measured": {  # rank 0: the estimate is rank 0's (largest) shard
-                **{k: estimate[k] / per_rank[0][k] for k in KINDS},
-                "total": est.total / sum(per_rank[0][k] for k in KINDS),
-            },
-        })
+        rows.append(
+            {
+                "world_size": ws,
+                "per_rank_bytes": per_rank,
+                "ideal_bytes_per_rank": {k: full[k] / ws for k in KINDS},
+                "ratio_to_ideal": {  # largest rank's bytes / (full / world size)
+                    **{k: max(r[k] for r in per_rank) / (full[k] / ws) for k in KINDS},
+                    "total": sum(per_rank[largest][k] for k in KINDS) / (total_full / ws),
+                },
+                "estimate_bytes": {**estimate, "total": est.total},
+                "estimate_over_measured": {  # rank 0: the estimate is rank 0's (largest) shard
+                    **{k: estimate[k] / per_rank[0][k] for k in KINDS},
+                    "total": est.total / sum(per_rank[0][k] for k in KINDS),
+                },
+            }
+        )
     return {
         "model": {"size": size, **LLAMA_SIZES[size], "params": sum(p.numel() for p in full_model.parameters())},
         "device": "cuda" if torch.cuda.is_available() else "cpu",
@@ -106,16 +109,20 @@ def run(size: str, world_sizes: list[int], timeout_s: float = 900) -> dict:
 
 
 def report(r: dict) -> str:
-    lines = [f"memory per rank, tiny Llama '{r['model']['size']}' ({r['model']['params']:,} params, {r['device']})",
-             f"{'world':>5}  {'params':>7} {'grads':>7} {'adamw':>7} {'total':>7}   ratio to full/world   "
-             f"{'estimate/measured (total)':>26}"]
+    lines = [
+        f"memory per rank, tiny Llama '{r['model']['size']}' ({r['model']['params']:,} params, {r['device']})",
+        f"{'world':>5}  {'params':>7} {'grads':>7} {'adamw':>7} {'total':>7}   ratio to full/world   "
+        f"{'estimate/measured (total)':>26}",
+    ]
     for row in r["rows"]:
         if "skipped" in row:
             lines.append(f"{row['world_size']:>5}  skipped: {row['skipped']}")
             continue
         q = row["ratio_to_ideal"]
-        lines.append(f"{row['world_size']:>5}  {q['params']:7.3f} {q['grads']:7.3f} {q['adamw_state']:7.3f} {q['total']:7.3f}"
-                     f"{'':24}{row['estimate_over_measured']['total']:7.3f}")
+        lines.append(
+            f"{row['world_size']:>5}  {q['params']:7.3f} {q['grads']:7.3f} {q['adamw_state']:7.3f} {q['total']:7.3f}"
+            f"{'':24}{row['estimate_over_measured']['total']:7.3f}"
+        )
     return "\n".join(lines)
 
 

@@ -21,6 +21,7 @@ XLA part (``--xla``): the same comparison for the XLA backend in both modes, on 
     python bench/overhead.py --xla           # and the XLA backend, if it is installed
     python bench/overhead.py --size tiny --steps 4    # seconds: the smoke test
 """
+
 from __future__ import annotations
 
 import argparse
@@ -100,7 +101,9 @@ def fsdp2_rank(rank: int, world_size: int, size: str, steps: int, warmup: int, t
     # near-zero gradients differ slightly, and AdamW turns that into steps of up to lr)
     atol = 1e-3 if cuda else 1e-7
     for (a, pa), (b, pb) in zip(models["shardcore"].named_parameters(), models["hand"].named_parameters()):
-        assert a == b and torch.allclose(pa.full_tensor(), pb.full_tensor(), rtol=1e-5, atol=atol), f"parameters diverged at {a}"
+        assert a == b and torch.allclose(pa.full_tensor(), pb.full_tensor(), rtol=1e-5, atol=atol), (
+            f"parameters diverged at {a}"
+        )
     dist.destroy_process_group()
     return {"wall": times, "cpu": cpu}
 
@@ -223,15 +226,24 @@ def _xla_child(path: str, size: str, steps: int, warmup: int) -> None:
     # the same work: both start from one seed and see the same batches
     gap = max(abs(a - b) for a, b in zip(losses["shardcore"], losses["hand"]))
     assert gap < 1e-3 * max(1.0, abs(losses["hand"][0])), f"XLA losses diverged by {gap}"
-    Path(path).write_text(json.dumps({
-        "backend": "xla", "mode": "SPMD FSDPv2", "devices": n, "device": "PJRT CPU",
-        "model": {"size": size, **LLAMA_SIZES[size]}, "steps": steps, "warmup": warmup,
-        "step_s": {"shardcore": summary(sc), "hand_written": summary(hd)},
-        "ratio_of_medians": statistics.median(sc) / statistics.median(hd),
-        "paired_ratio": summary([a / b for a, b in zip(sc, hd)]),
-        "max_loss_gap": gap,
-        "goal": "ratio <= 1.01",
-    }))
+    Path(path).write_text(
+        json.dumps(
+            {
+                "backend": "xla",
+                "mode": "SPMD FSDPv2",
+                "devices": n,
+                "device": "PJRT CPU",
+                "model": {"size": size, **LLAMA_SIZES[size]},
+                "steps": steps,
+                "warmup": warmup,
+                "step_s": {"shardcore": summary(sc), "hand_written": summary(hd)},
+                "ratio_of_medians": statistics.median(sc) / statistics.median(hd),
+                "paired_ratio": summary([a / b for a, b in zip(sc, hd)]),
+                "max_loss_gap": gap,
+                "goal": "ratio <= 1.01",
+            }
+        )
+    )
 
 
 def _xla_fsdp_child(path: str, size: str, steps: int, warmup: int) -> None:
@@ -242,8 +254,9 @@ def _xla_fsdp_child(path: str, size: str, steps: int, warmup: int) -> None:
 
     # seeding inside device threads races (one global generator): build the weights once, here
     init = build_llama(size).state_dict()
-    shardcore.get_backend("xla").run_on_devices(functools.partial(_xla_fsdp_device, path=path, size=size, steps=steps,
-                                                                  warmup=warmup, init=init))
+    shardcore.get_backend("xla").run_on_devices(
+        functools.partial(_xla_fsdp_device, path=path, size=size, steps=steps, warmup=warmup, init=init)
+    )
 
 
 _HAND_RECIPE: dict = {}
@@ -289,7 +302,10 @@ def _xla_fsdp_device(rank: int, path: str, size: str, steps: int, warmup: int, i
         return FSDP(model, reshard_after_forward=True, pin_layout_in_collective_ops=False)
 
     models = {"shardcore": shardcore.shard(fresh(), {**CONFIG, "xla": True}), "hand": hand(fresh())}
-    ends = {"shardcore": shardcore.handle(models["shardcore"]).backend.step_end, "hand": lambda: _hand_serialized_sync(n)}
+    ends = {
+        "shardcore": shardcore.handle(models["shardcore"]).backend.step_end,
+        "hand": lambda: _hand_serialized_sync(n),
+    }
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
     times: dict[str, list[float]] = {k: [] for k in models}
     cpu: dict[str, list[float]] = {k: [] for k in models}
@@ -322,18 +338,27 @@ def _xla_fsdp_device(rank: int, path: str, size: str, steps: int, warmup: int, i
     sc, hd = times["shardcore"], times["hand"]
     gap = max(abs(a - b) for a, b in zip(losses["shardcore"], losses["hand"]))
     assert gap < 1e-3 * max(1.0, abs(losses["hand"][0])), f"XLA FSDP losses diverged by {gap}"
-    Path(path).write_text(json.dumps({
-        "backend": "xla-fsdp", "mode": "XLA FSDP (XlaFullyShardedDataParallel), device threads", "devices": n,
-        "device": "PJRT CPU", "model": {"size": size, **LLAMA_SIZES[size]}, "steps": steps, "warmup": warmup,
-        "step_s": {"shardcore": summary(sc), "hand_written": summary(hd)},
-        "ratio_of_medians": statistics.median(sc) / statistics.median(hd),
-        "paired_ratio": summary([a / b for a, b in zip(sc, hd)]),
-        "cpu_s": {"shardcore": summary(cpu["shardcore"]), "hand_written": summary(cpu["hand"])},
-        "cpu_ratio_of_medians": statistics.median(cpu["shardcore"]) / statistics.median(cpu["hand"]),
-        "compiles_after_warmup": compiled,
-        "max_loss_gap": gap,
-        "goal": "CPU time ratio <= 1.01, 0 compilations after warm-up",
-    }))
+    Path(path).write_text(
+        json.dumps(
+            {
+                "backend": "xla-fsdp",
+                "mode": "XLA FSDP (XlaFullyShardedDataParallel), device threads",
+                "devices": n,
+                "device": "PJRT CPU",
+                "model": {"size": size, **LLAMA_SIZES[size]},
+                "steps": steps,
+                "warmup": warmup,
+                "step_s": {"shardcore": summary(sc), "hand_written": summary(hd)},
+                "ratio_of_medians": statistics.median(sc) / statistics.median(hd),
+                "paired_ratio": summary([a / b for a, b in zip(sc, hd)]),
+                "cpu_s": {"shardcore": summary(cpu["shardcore"]), "hand_written": summary(cpu["hand"])},
+                "cpu_ratio_of_medians": statistics.median(cpu["shardcore"]) / statistics.median(cpu["hand"]),
+                "compiles_after_warmup": compiled,
+                "max_loss_gap": gap,
+                "goal": "CPU time ratio <= 1.01, 0 compilations after warm-up",
+            }
+        )
+    )
 
 
 def xm_wait() -> None:
@@ -367,7 +392,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=40, help="timed steps per variant")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (XLA: graph compiles)")
     ap.add_argument("--world-size", type=int, default=2)
-    ap.add_argument("--xla", action="store_true", help="also compare the XLA backend with hand-written torch_xla SPMD FSDP")
+    ap.add_argument(
+        "--xla", action="store_true", help="also compare the XLA backend with hand-written torch_xla SPMD FSDP"
+    )
     ap.add_argument("--out", help="result JSON (default bench/results/overhead.json)")
     ap.add_argument("--_xla-child", dest="xla_child", help=argparse.SUPPRESS)
     ap.add_argument("--_xla-fsdp-child", dest="xla_fsdp_child", help=argparse.SUPPRESS)
@@ -387,7 +414,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.xla or args.only_xla:
         ok, reason = xla_available()
         for mode in ("spmd", "fsdp"):
-            results.append(run_xla(args.size, args.steps, args.warmup, mode=mode) if ok else {"backend": f"xla-{mode}", "skipped": reason})
+            results.append(
+                run_xla(args.size, args.steps, args.warmup, mode=mode)
+                if ok
+                else {"backend": f"xla-{mode}", "skipped": reason}
+            )
             print(report(results[-1]), flush=True)
     path = write_result("overhead", {"results": results}, args.out)
     print(f"written: {path}")

@@ -11,6 +11,7 @@ Every rank shards the same model and trains on its part of each global batch. Th
 also trains an unsharded copy on the whole batches, prints both losses per step, and exits 1 if they
 differ by more than --tolerance.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,14 @@ CONFIG = {
 def build() -> LlamaForCausalLM:
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation="eager",
     )
     return LlamaForCausalLM(cfg)
 
@@ -89,7 +96,9 @@ def main(args: argparse.Namespace) -> None:
             f"shardcore demo: tiny Llama, {sc.backend.name} on {sc.world_size} rank(s) ({sc.device}) vs one device; "
             f"grad_accum {args.grad_accum}, max_grad_norm {args.max_grad_norm}"
         )
-        print(f"{'step':>4}  {'sharded loss':>14}  {'single-device':>14}  {'|diff|':>10}  {'grad norm':>10}  {'single':>10}")
+        print(
+            f"{'step':>4}  {'sharded loss':>14}  {'single-device':>14}  {'|diff|':>10}  {'grad norm':>10}  {'single':>10}"
+        )
         for i, (a, b, na, nb) in enumerate(zip(sharded, single, sharded_norms, single_norms)):
             print(f"{i:>4}  {a:>14.8f}  {b:>14.8f}  {abs(a - b):>10.2e}  {na:>10.6f}  {nb:>10.6f}")
         worst = max(abs(a - b) for a, b in zip(sharded, single))

@@ -2,11 +2,11 @@
 
 >>> model = shardcore.shard(model, {"reshard_after_forward": True})   # doctest: +SKIP
 """
+
 from .api import ShardedModel, handle, shard
 from .backend import Backend, BackendInfo, World, available_backends, get_backend
 from .checkpoint import from_pretrained, load, save
 from .config import MixedPrecision, ShardConfig, parse_config
-from .loop import clip_grad_norm_, launch, no_sync
 from .errors import (
     AlreadyShardedError,
     BackendNotFoundError,
@@ -19,6 +19,7 @@ from .errors import (
     UnsupportedKeyError,
     WrapPlanError,
 )
+from .loop import clip_grad_norm_, launch, no_sync
 from .plan import MemoryEstimate, Unit, WrapPlan, build_plan, estimate_memory
 
 __version__ = "0.1.0"

@@ -1,4 +1,5 @@
 """``shard()`` and the per-model handle. Thin: parse, plan, pick the backend, delegate."""
+
 from __future__ import annotations
 
 import logging
@@ -7,7 +8,8 @@ from typing import Any
 
 from torch import nn
 
-from .backend import Backend, StepEnd, World, resolve_backend
+from .backend import Backend, World, resolve_backend
+from .capabilities import ConfigValidation, StepEnd
 from .config import ShardConfig, parse_config
 from .errors import AlreadyShardedError, ShardConfigError, ShardcoreError
 from .plan import WrapPlan, build_plan
@@ -88,6 +90,10 @@ def shard(model: nn.Module, config: Any = None, *, backend: str | Backend | None
 
     Build the optimizer on ``model.parameters()`` *after* this call: parameters are replaced by
     their sharded form.
+
+    Every check of the config against the model, the wrap plan and the backend (its supported keys,
+    and its own ``validate`` where it declares ``ConfigValidation``) runs before the model is
+    touched, without talking to other ranks, so every rank reaches the same verdict.
     """
     if not isinstance(model, nn.Module):
         raise ShardcoreError(f"shardcore.shard: expected a torch.nn.Module, got {type(model).__name__}.")
@@ -101,13 +107,9 @@ def shard(model: nn.Module, config: Any = None, *, backend: str | Backend | None
     _check_model_against_config(model, cfg)
     chosen = resolve_backend(cfg, backend)
     plan = build_plan(model, cfg)
-    if (cfg.activation_checkpointing or cfg.xla_fsdp_grad_ckpt) and not plan.units:
-        key = "activation_checkpointing" if cfg.activation_checkpointing else "xla_fsdp_grad_ckpt"
-        raise ShardConfigError(
-            key,
-            f"is true but auto_wrap_policy {cfg.auto_wrap_policy} gives no units to checkpoint. Use "
-            "TRANSFORMER_BASED_WRAP or SIZE_BASED_WRAP, or drop the key.",
-        )
+    _check_plan_against_config(plan, cfg)
+    if isinstance(chosen, ConfigValidation):
+        chosen.validate(cfg)  # before apply: what the backend refuses, from the config alone
     if cfg.activation_checkpointing or cfg.xla_fsdp_grad_ckpt:
         _disable_kv_cache(model)
     log.info("shardcore: %s backend, %d units\n%s", chosen.name, len(plan.units), plan.describe())
@@ -138,7 +140,11 @@ def _check_model_against_config(model: nn.Module, cfg: ShardConfig) -> None:
     if cfg.activation_checkpointing or cfg.xla_fsdp_grad_ckpt:
         key = "activation_checkpointing" if cfg.activation_checkpointing else "xla_fsdp_grad_ckpt"
         # Transformers 5 renamed is_gradient_checkpointing; read the old name only where the new is absent
-        attr = "is_activation_checkpointing" if hasattr(model, "is_activation_checkpointing") else "is_gradient_checkpointing"
+        attr = (
+            "is_activation_checkpointing"
+            if hasattr(model, "is_activation_checkpointing")
+            else "is_gradient_checkpointing"
+        )
         if getattr(model, attr, False) is True:
             raise ShardConfigError(
                 key,
@@ -146,6 +152,16 @@ def _check_model_against_config(model: nn.Module, cfg: ShardConfig) -> None:
                 "(gradient_checkpointing_enable()); setting both raises an error (Transformers FSDP "
                 f"guide). Call model.gradient_checkpointing_disable() or drop {key}.",
             )
+
+
+def _check_plan_against_config(plan: WrapPlan, cfg: ShardConfig) -> None:
+    if (cfg.activation_checkpointing or cfg.xla_fsdp_grad_ckpt) and not plan.units:
+        key = "activation_checkpointing" if cfg.activation_checkpointing else "xla_fsdp_grad_ckpt"
+        raise ShardConfigError(
+            key,
+            f"is true but auto_wrap_policy {cfg.auto_wrap_policy} gives no units to checkpoint. Use "
+            "TRANSFORMER_BASED_WRAP or SIZE_BASED_WRAP, or drop the key.",
+        )
 
 
 def _disable_kv_cache(model: nn.Module) -> None:

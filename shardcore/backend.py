@@ -1,20 +1,23 @@
-"""The Backend protocol and the registry of backends.
+"""The required Backend protocol and the registry of backends.
 
-A backend is any object implementing :class:`Backend`, published by a distribution under the
-entry-point group ``shardcore.backends`` (``name = "package.module:BackendClass"``). The in-tree
-backends (``shardcore-fsdp2``, ``shardcore-xla``) are found the same way; the core never imports
-them by name.
+A backend is any object implementing :class:`Backend` plus the optional capabilities it declares
+(:mod:`shardcore.capabilities`), published by a distribution under the entry-point group
+``shardcore.backends`` (``name = "package.module:BackendClass"``). The in-tree backends
+(``shardcore-fsdp2``, ``shardcore-xla``) are found the same way; the core never imports them by
+name. :func:`get_backend` checks the contract when it loads a backend.
 """
+
 from __future__ import annotations
 
 import importlib
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, Protocol, runtime_checkable
 
 from torch import nn
 
+from .capabilities import check_backend
 from .config import ShardConfig
 from .errors import BackendNotFoundError, BackendUnavailableError, UnsupportedKeyError
 from .plan import WrapPlan
@@ -33,7 +36,12 @@ class World:
 
 @runtime_checkable
 class Backend(Protocol):
-    """What a sharding backend implements. See ``examples/`` for a minimal out-of-tree one."""
+    """What every sharding backend implements; the optional rest is in :mod:`shardcore.capabilities`.
+    See ``examples/vendor_backend`` for a minimal out-of-tree one.
+
+    FULL checkpoints are one unsharded state dict with the original parameter names, so the four
+    state-dict methods below are all a backend needs for :func:`shardcore.save` and
+    :func:`shardcore.load` to move checkpoints between backends."""
 
     name: str
     #: the command that installs what this backend needs, quoted in "not available" errors
@@ -61,11 +69,7 @@ class Backend(Protocol):
 
     def all_reduce_sum(self, tensor: Any) -> Any:
         """Sum of ``tensor`` over ranks (identity where values are already global, as under SPMD).
-        Optional hooks the conformance suite uses when present: ``grad_sq_sum(model)`` (sum of
-        squared gradients over ranks, for backends whose ranks do not hold disjoint shards),
-        ``step_end()`` (after each optimizer step, for lazy-tensor backends), ``compile_count()``,
-        ``launch_spec(config, world_size)`` with ``run_on_devices(fn)``, and
-        ``can_run(config, world_size) -> str | None`` (why a valid config cannot run here)."""
+        Collective."""
         ...
 
     def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
@@ -73,8 +77,6 @@ class Backend(Protocol):
         (other ranks may return an empty dict). Collective: every rank must call it."""
         ...
 
-    # -- checkpoints (see shardcore.checkpoint). FULL checkpoints are one unsharded state dict with
-    # the original parameter names, so any backend that implements these reads and writes them.
     def broadcast_object(self, obj: Any) -> Any:
         """Rank 0's ``obj`` (picklable) on every rank. Collective."""
         ...
@@ -94,72 +96,6 @@ class Backend(Protocol):
     def load_full_optimizer_state_dict(self, model: nn.Module, optimizer: Any, state: dict[str, Any]) -> None:
         """Inverse of :meth:`full_optimizer_state_dict`; only rank 0's ``state`` is read. Collective."""
         ...
-
-    def save_sharded_state_dict(self, model: nn.Module, optimizer: Any | None, path: str) -> None:
-        """Write ``model`` (and ``optimizer``) as a ``torch.distributed.checkpoint`` directory at
-        ``path`` (it exists and is empty), state keyed ``model.<name>`` and ``optimizer.<...>``; every
-        rank writes its own shards. Collective."""
-        ...
-
-    def load_sharded_state_dict(self, model: nn.Module, optimizer: Any | None, path: str) -> None:
-        """Read a directory written by :meth:`save_sharded_state_dict`, possibly by a run of another
-        world size, into ``model`` (and ``optimizer``). Collective."""
-        ...
-
-
-# -- optional capabilities: a backend implements the methods of each it supports. The loop helpers
-# (shardcore.api, shardcore.loop) check them with isinstance; without one they fall back to what is
-# correct for a backend that does not need it, or, where nothing is, raise naming the method.
-
-
-@runtime_checkable
-class StepEnd(Protocol):
-    """Lazy-tensor backends (XLA): cut and run the step's graph after ``optimizer.step()``."""
-
-    def step_end(self) -> None: ...
-
-
-@runtime_checkable
-class GradClipping(Protocol):
-    """Clip by the norm of the whole (unsharded) gradient, as ``torch.nn.utils.clip_grad_norm_``
-    would on the unsharded model; return that norm (a scalar tensor, the same on every rank)."""
-
-    def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float) -> Any: ...
-
-
-@runtime_checkable
-class GradSyncControl(Protocol):
-    """A context manager within which backward accumulates gradients locally without reducing
-    them across ranks; the first backward after it reduces everything accumulated."""
-
-    def no_sync(self, model: nn.Module) -> Any: ...
-
-
-@runtime_checkable
-class Launcher(Protocol):
-    """Backends whose ranks are started from one process (XLA: one thread or process per device):
-    run ``fn()`` once per rank and return when all have finished."""
-
-    def launch(self, fn: Any, config: ShardConfig) -> None: ...
-
-
-@dataclass(frozen=True)
-class LaunchSpec:
-    """How a backend wants its ranks started. A backend may define
-    ``launch_spec(config: ShardConfig, world_size: int) -> LaunchSpec``; without it every rank is its
-    own OS process with the torch.distributed environment (torchrun-style).
-
-    ``processes`` 1 with ``world_size`` > 1 means one process serves all devices: either one
-    controller drives them (SPMD), or, with ``per_device`` true, the backend's ``run_on_devices(fn)``
-    calls ``fn(rank)`` once per device (threads or child processes, e.g. ``xmp.spawn``) and returns
-    when all have finished. Cases whose ``group`` differs never share a process (for settings that
-    are global to a process, such as XLA's SPMD mode).
-    """
-
-    processes: int
-    env: dict[str, str] = field(default_factory=dict)
-    group: str = ""
-    per_device: bool = False
 
 
 @dataclass(frozen=True)
@@ -184,6 +120,7 @@ _instances: dict[str, Backend] = {}
 def get_backend(name_or_backend: str | Backend) -> Backend:
     """Look a backend up by registered name, by ``module:Class`` path, or pass an instance through."""
     if not isinstance(name_or_backend, str):
+        check_backend(name_or_backend, type(name_or_backend).__name__)
         return name_or_backend
     name = name_or_backend
     if name in _instances:
@@ -207,12 +144,7 @@ def get_backend(name_or_backend: str | Backend) -> Backend:
             f"shardcore backend {name!r}: {target if name in eps else name!r} could not be constructed "
             f"({type(e).__name__}: {e})."
         ) from e
-    missing = [a for a in ("name", "is_available") if not hasattr(backend, a)]
-    if missing:
-        raise BackendUnavailableError(
-            f"shardcore config key 'backend': {name!r} is a {type(backend).__name__}, not a shardcore "
-            f"Backend (it has no {', '.join(missing)}). Name a class implementing shardcore.Backend."
-        )
+    check_backend(backend, name)
     _instances[name] = backend
     return backend
 
@@ -246,8 +178,7 @@ def resolve_backend(config: ShardConfig, override: str | Backend | None = None) 
     ok, reason = backend.is_available()
     if not ok:
         raise BackendUnavailableError(
-            f"shardcore backend {backend.name!r} is not available: {reason}. Install it with: "
-            f"{backend.install_hint}"
+            f"shardcore backend {backend.name!r} is not available: {reason}. Install it with: {backend.install_hint}"
         )
     unsupported = [k for k in config.non_default_keys() if k not in backend.supported_keys]
     if unsupported:

@@ -17,6 +17,7 @@ Both are directories with a ``shardcore.json`` manifest, written last. A save go
 temporary sibling directory and is renamed into place only after every rank has finished, so a
 process that dies in the middle of a save leaves the previous checkpoint as it was.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,9 +37,10 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from .backend import World
-from .config import ShardConfig, parse_config
 from . import safe_dcp
+from .backend import World
+from .capabilities import RenamesParameters, ShardedCheckpoints
+from .config import ShardConfig, parse_config
 from .errors import CheckpointError, ShardcoreError
 
 log = logging.getLogger(__name__)
@@ -99,7 +101,7 @@ def save(
             _on_rank0(runtime, write_full)
             del state, osd
         else:
-            runtime.save_sharded_state_dict(model, optimizer, str(tmp))
+            _sharded_checkpoints(runtime, "save", path).save_sharded_state_dict(model, optimizer, str(tmp))
 
             def finish_sharded() -> None:
                 _write_hf_config(tmp, model)
@@ -130,7 +132,9 @@ def load(
     runtime, cfg = _runtime(model)
     src = _resolve_checkpoint(path)
     manifest = _read_manifest(src)
-    kind = manifest.get("state_dict_type") or (SHARDED if (src / DCP_METADATA).is_file() or (src / SHARD_INDEX).is_file() else FULL)
+    kind = manifest.get("state_dict_type") or (
+        SHARDED if (src / DCP_METADATA).is_file() or (src / SHARD_INDEX).is_file() else FULL
+    )
     if kind == SHARDED:
         if cfg is None:
             raise CheckpointError(
@@ -140,14 +144,15 @@ def load(
                 "Shard the model first (any world size), or load it in a sharded run and save it again with "
                 "state_dict_type='FULL_STATE_DICT' to get a file any PyTorch or Transformers program reads."
             )
+        _sharded_checkpoints(runtime, "load", path)
         _check_sharded(model, src, optimizer)
         runtime.load_sharded_state_dict(model, optimizer, str(src))
     else:
         files = _weight_files(src)
-        _check_keys(_expected_shapes(model), _file_shapes(files), _aliases(model), str(src))
+        _check_keys(_expected_shapes(model), _file_shapes(files), tied_names(model), str(src))
         opt_files = _optimizer_files(src, optimizer)
         rank0 = runtime.world().rank == 0
-        state = _read_weights(files, _aliases(model)) if rank0 else {}
+        state = _read_weights(files, tied_names(model)) if rank0 else {}
         runtime.load_full_state_dict(model, state)
         del state
         if optimizer is not None:
@@ -194,16 +199,18 @@ def from_pretrained(
 _BUILD_LOCK = threading.Lock()
 
 
-def _build_pretrained(model_cls: Any, path: str | os.PathLike, cfg: ShardConfig, rank: int, kwargs: dict[str, Any]) -> nn.Module:
+def _build_pretrained(
+    model_cls: Any, path: str | os.PathLike, cfg: ShardConfig, rank: int, kwargs: dict[str, Any]
+) -> nn.Module:
     if cfg.cpu_ram_efficient_loading and rank != 0:
         try:
             from transformers import AutoConfig
         except ImportError as e:  # pragma: no cover - transformers is an extra
-            raise CheckpointError(
-                "shardcore.from_pretrained needs transformers: pip install 'shardcore[hf]'."
-            ) from e
+            raise CheckpointError("shardcore.from_pretrained needs transformers: pip install 'shardcore[hf]'.") from e
         hf_config = AutoConfig.from_pretrained(path)
-        build_kwargs = {k: kwargs[k] for k in ("dtype", "torch_dtype", "attn_implementation", "trust_remote_code") if k in kwargs}
+        build_kwargs = {
+            k: kwargs[k] for k in ("dtype", "torch_dtype", "attn_implementation", "trust_remote_code") if k in kwargs
+        }
         build = getattr(model_cls, "from_config", None) or getattr(model_cls, "_from_config")
         with torch.device("meta"):
             return build(hf_config, **build_kwargs)
@@ -239,7 +246,9 @@ class LocalRuntime:
         osd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
         return _to_cpu(osd)
 
-    def load_full_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, osd: dict[str, Any]) -> None:
+    def load_full_optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, osd: dict[str, Any]
+    ) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
         set_optimizer_state_dict(model, optimizer, osd)
@@ -254,6 +263,15 @@ def _runtime(model: nn.Module) -> tuple[Any, ShardConfig | None]:
     if h is None:
         return LocalRuntime(), None
     return h.backend, h.config
+
+
+def _sharded_checkpoints(runtime: Any, verb: str, path: Any) -> ShardedCheckpoints:
+    if not isinstance(runtime, ShardedCheckpoints):
+        raise CheckpointError(
+            f"shardcore.{verb}({str(path)!r}): the {runtime.name!r} backend does not implement SHARDED_STATE_DICT "
+            "checkpoints (shardcore.capabilities.ShardedCheckpoints). Use state_dict_type='FULL_STATE_DICT'."
+        )
+    return runtime
 
 
 def _state_dict_type(value: str | None, cfg: ShardConfig | None) -> str:
@@ -394,9 +412,13 @@ def _read_manifest(src: Path) -> dict[str, Any]:
     try:
         data = json.loads(m.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"shardcore.load: {str(m)!r} is not readable JSON ({e}). The checkpoint is damaged; save it again.") from None
+        raise CheckpointError(
+            f"shardcore.load: {str(m)!r} is not readable JSON ({e}). The checkpoint is damaged; save it again."
+        ) from None
     if not isinstance(data, dict) or data.get("format") != "shardcore":
-        raise CheckpointError(f"shardcore.load: {str(m)!r} is not a shardcore manifest. Remove it or pass another path.")
+        raise CheckpointError(
+            f"shardcore.load: {str(m)!r} is not a shardcore manifest. Remove it or pass another path."
+        )
     if data.get("version", 0) > FORMAT_VERSION:
         raise CheckpointError(
             f"shardcore.load: {str(src)!r} has checkpoint format version {data.get('version')}, newer than this "
@@ -411,10 +433,10 @@ def _manifest(model: nn.Module, kind: str, world: World, runtime: Any, has_optim
         "version": FORMAT_VERSION,
         "state_dict_type": kind,
         "world_size": world.size,
-        "backend": getattr(runtime, "name", type(runtime).__name__),
+        "backend": runtime.name,
         "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
         "optimizer": has_optimizer,
-        "tied": _aliases(model),
+        "tied": tied_names(model),
         "torch": torch.__version__,
     }
 
@@ -450,13 +472,13 @@ def _safetensors():
     return st, safe_open
 
 
-def _aliases(model: nn.Module) -> dict[str, str]:
+def tied_names(model: nn.Module) -> dict[str, str]:
     """Tied parameters: ``{name that is not stored: name that is}``, as ``save_pretrained`` decides
     (the names a Transformers model lists in ``_tied_weights_keys`` are the ones dropped).
-    A backend whose wrappers rename parameters answers for its models (``tied_aliases(model)``)."""
-    tied_aliases = getattr(_runtime(model)[0], "tied_aliases", None)
-    if tied_aliases is not None:
-        return tied_aliases(model)
+    A backend whose wrappers rename parameters answers for its models (RenamesParameters)."""
+    runtime = _runtime(model)[0]
+    if isinstance(runtime, RenamesParameters):
+        return runtime.tied_aliases(model)
     groups: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         groups.setdefault(id(p), []).append(name)
@@ -475,7 +497,7 @@ def _aliases(model: nn.Module) -> dict[str, str]:
 
 def _write_full(tmp: Path, model: nn.Module, state: dict[str, Any], osd: dict[str, Any] | None) -> None:
     st, _ = _safetensors()
-    drop = _aliases(model)
+    drop = tied_names(model)
     tensors: dict[str, torch.Tensor] = {}
     storages: set[int] = set()
     for k, v in state.items():
@@ -554,7 +576,11 @@ def _weight_files(src: Path) -> list[Path]:
             raise CheckpointError(f"shardcore.load: {str(index)!r} names shards that are missing: {missing[:3]}.")
         return files
     found = sorted(p.name for p in src.iterdir())[:8] if src.is_dir() else []
-    hint = " (pytorch_model.bin is pickle; convert it with save_pretrained(safe_serialization=True))" if (src / "pytorch_model.bin").exists() else ""
+    hint = (
+        " (pytorch_model.bin is pickle; convert it with save_pretrained(safe_serialization=True))"
+        if (src / "pytorch_model.bin").exists()
+        else ""
+    )
     raise CheckpointError(
         f"shardcore.load: {str(src)!r} is not a checkpoint: it has no {MANIFEST}, {WEIGHTS}, {WEIGHTS_INDEX} or "
         f"{DCP_METADATA} (found: {found or 'nothing'}){hint}. Pass a directory written by shardcore.save() or "
@@ -619,11 +645,11 @@ def _to_cpu(obj: Any) -> Any:
 def _expected_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     """Every state-dict key of ``model`` with its global shape (a sharded tensor reports the whole).
 
-    A backend whose wrappers rename or flatten parameters (XLA FSDP) says it itself through
-    ``full_state_dict_shapes(model)``."""
-    shapes = getattr(_runtime(model)[0], "full_state_dict_shapes", None)
-    if shapes is not None:
-        return shapes(model)
+    A backend whose wrappers rename or flatten parameters (XLA FSDP) says it itself
+    (RenamesParameters)."""
+    runtime = _runtime(model)[0]
+    if isinstance(runtime, RenamesParameters):
+        return runtime.full_state_dict_shapes(model)
     return {k: tuple(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
 
 
@@ -668,7 +694,9 @@ def _check_sharded(model: nn.Module, src: Path, optimizer: Any) -> None:
             data = json.loads(index.read_text())
             found, has_optimizer = {k: tuple(v) for k, v in data["keys"].items()}, bool(data["optimizer"])
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"shardcore.load: {str(index)!r} is not a readable shard index ({e!r}). Save it again.") from None
+            raise CheckpointError(
+                f"shardcore.load: {str(index)!r} is not a readable shard index ({e!r}). Save it again."
+            ) from None
         _check_found(model, src, optimizer, found, has_optimizer)
         return
     try:
@@ -685,14 +713,16 @@ def _check_sharded(model: nn.Module, src: Path, optimizer: Any) -> None:
         if key.startswith("model."):
             size = getattr(meta, "size", None)
             if size is not None:
-                found[key[len("model."):]] = tuple(size)
+                found[key[len("model.") :]] = tuple(size)
         elif key.startswith("optimizer."):
             has_optimizer = True
     _check_found(model, src, optimizer, found, has_optimizer)
 
 
-def _check_found(model: nn.Module, src: Path, optimizer: Any, found: dict[str, tuple[int, ...]], has_optimizer: bool) -> None:
-    _check_keys(_expected_shapes(model), found, _aliases(model), str(src))
+def _check_found(
+    model: nn.Module, src: Path, optimizer: Any, found: dict[str, tuple[int, ...]], has_optimizer: bool
+) -> None:
+    _check_keys(_expected_shapes(model), found, tied_names(model), str(src))
     if optimizer is not None and not has_optimizer:
         raise CheckpointError(
             f"shardcore.load: an optimizer was passed but {str(src)!r} holds no optimizer state. Load without "

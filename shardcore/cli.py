@@ -1,5 +1,6 @@
 """``shardcore`` command line: ``plan`` (units and per-rank memory), ``backends``, and ``conformance``
 (the ``shardcore-conformance`` suite)."""
+
 from __future__ import annotations
 
 import argparse
@@ -42,7 +43,9 @@ def load_model(spec: str) -> nn.Module:
         raise ShardcoreError(f"shardcore plan --model: cannot import {spec!r} ({e}).") from None
     model = factory()
     if not isinstance(model, nn.Module):
-        raise ShardcoreError(f"shardcore plan --model: {spec!r} returned {type(model).__name__}, not a torch.nn.Module.")
+        raise ShardcoreError(
+            f"shardcore plan --model: {spec!r} returned {type(model).__name__}, not a torch.nn.Module."
+        )
     return model
 
 
@@ -60,14 +63,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = build_plan(model, cfg)
     est = estimate_memory(model, args.world_size)
     if args.json:
-        print(json.dumps({
-            "backend": cfg.backend_name,
-            "policy": plan.policy,
-            "units": [{"path": u.path, "class": u.cls, "num_params": u.num_params} for u in plan.all_units()],
-            "world_size": args.world_size,
-            "per_rank_bytes": {"params": est.param_bytes, "grads": est.grad_bytes, "adamw_state": est.optim_bytes, "total": est.total},
-            "full_param_bytes": est.full_param_bytes,
-        }, indent=2))
+        print(
+            json.dumps(
+                {
+                    "backend": cfg.backend_name,
+                    "policy": plan.policy,
+                    "units": [{"path": u.path, "class": u.cls, "num_params": u.num_params} for u in plan.all_units()],
+                    "world_size": args.world_size,
+                    "per_rank_bytes": {
+                        "params": est.param_bytes,
+                        "grads": est.grad_bytes,
+                        "adamw_state": est.optim_bytes,
+                        "total": est.total,
+                    },
+                    "full_param_bytes": est.full_param_bytes,
+                },
+                indent=2,
+            )
+        )
         return 0
     print(f"backend: {cfg.backend_name}")
     print(plan.describe())
@@ -107,8 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     pp.set_defaults(func=cmd_plan)
     pb = sub.add_parser("backends", help="list registered backends and whether they can run here")
     pb.set_defaults(func=cmd_backends)
-    pc = sub.add_parser("conformance", help="run the conformance suite (same options as shardcore-conformance)",
-                        add_help=False)
+    pc = sub.add_parser(
+        "conformance", help="run the conformance suite (same options as shardcore-conformance)", add_help=False
+    )
     pc.add_argument("rest", nargs=argparse.REMAINDER)
     pc.set_defaults(func=cmd_conformance)
     argv = sys.argv[1:] if argv is None else argv

@@ -15,6 +15,7 @@ Keys mean what they mean in the Transformers FSDP2 guide. Nothing is ignored: an
 error with a did-you-mean, and a known key that the chosen backend cannot honour is an error when the
 backend is picked (see :mod:`shardcore.backend`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -97,10 +98,7 @@ class MixedPrecision:
     def torch_dtypes(self) -> dict[str, Any]:
         import torch
 
-        return {
-            k: (getattr(torch, v) if v is not None else None)
-            for k, v in dataclasses.asdict(self).items()
-        }
+        return {k: (getattr(torch, v) if v is not None else None) for k, v in dataclasses.asdict(self).items()}
 
 
 @dataclass(frozen=True)
@@ -143,8 +141,7 @@ class ShardConfig:
         return [
             f.name
             for f in dataclasses.fields(self)
-            if f.name not in ("explicit", "version", "backend")
-            and getattr(self, f.name) != getattr(defaults, f.name)
+            if f.name not in ("explicit", "version", "backend") and getattr(self, f.name) != getattr(defaults, f.name)
         ]
 
     def replace(self, **changes: Any) -> "ShardConfig":
@@ -222,9 +219,7 @@ def _load_source(source: Any) -> dict[str, Any]:
 
 def _load_file(path: Path) -> dict[str, Any]:
     if not path.is_file():
-        raise ShardConfigError(
-            "config", f"{str(path)!r} is not a file. Pass an existing JSON or YAML config path."
-        )
+        raise ShardConfigError("config", f"{str(path)!r} is not a file. Pass an existing JSON or YAML config path.")
     text = path.read_text()
     if path.suffix.lower() in (".yaml", ".yml"):
         return _from_accelerate_yaml(text, path)
@@ -235,9 +230,7 @@ def _load_file(path: Path) -> dict[str, Any]:
             "config", f"{str(path)!r} is not valid JSON ({e}). Fix the file or use a .yaml file."
         ) from None
     if not isinstance(data, dict):
-        raise ShardConfigError(
-            "config", f"{str(path)!r} holds a {type(data).__name__}, not a JSON object of keys."
-        )
+        raise ShardConfigError("config", f"{str(path)!r} holds a {type(data).__name__}, not a JSON object of keys.")
     return data
 
 
@@ -257,14 +250,14 @@ def _from_accelerate_yaml(text: str, path: Path) -> dict[str, Any]:
     if dist_type is not None and str(dist_type).upper() not in ("FSDP", "XLA"):
         raise ShardConfigError(
             "distributed_type",
-            f"{_show(dist_type)} in {path} does not shard parameters. Set distributed_type: FSDP "
+            f"{show_value(dist_type)} in {path} does not shard parameters. Set distributed_type: FSDP "
             "(or XLA for torch_xla) to use this file with shardcore.",
         )
     fsdp = data.get("fsdp_config")
     if fsdp is None:
         fsdp = {}
     if not isinstance(fsdp, dict):
-        raise ShardConfigError("fsdp_config", f"must be a mapping of fsdp_ keys, got {_show(fsdp)}.")
+        raise ShardConfigError("fsdp_config", f"must be a mapping of fsdp_ keys, got {show_value(fsdp)}.")
     raw = dict(fsdp)
     if "fsdp_version" not in raw and "version" not in raw:
         # accelerate's own default is FSDP1; we refuse it explicitly rather than guess.
@@ -305,9 +298,7 @@ def _from_training_arguments(args: Any) -> dict[str, Any]:
     timeout = getattr(args, "ddp_timeout", None)
     if timeout is not None:
         raw.setdefault("timeout", timeout)
-    trainer_ckpt = getattr(args, "activation_checkpointing", None) or getattr(
-        args, "gradient_checkpointing", None
-    )
+    trainer_ckpt = getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", None)
     fsdp_ckpt = raw.get("activation_checkpointing", raw.get("fsdp_activation_checkpointing"))
     if trainer_ckpt and fsdp_ckpt is not None and _bool("activation_checkpointing", fsdp_ckpt):
         raise ShardConfigError(
@@ -326,20 +317,20 @@ def _from_dict(raw: Mapping[str, Any]) -> ShardConfig:
     explicit: set[str] = set()
     for key, value in raw.items():
         if not isinstance(key, str):
-            raise ShardConfigError(_show(key), "config keys must be strings.")
+            raise ShardConfigError(show_value(key), "config keys must be strings.")
         name = key[5:] if key.startswith("fsdp_") else key
         if name in _FSDP1_ONLY_KEYS:
             raise ShardConfigError(
                 key,
-                f"{_show(value)} is an FSDP1 setting with no FSDP2 meaning ({_FSDP1_ONLY_KEYS[name]}). "
-                "Remove it.",
+                f"{show_value(value)} is an FSDP1 setting with no FSDP2 meaning ({_FSDP1_ONLY_KEYS[name]}). Remove it.",
             )
         name = _ALIASES.get(name, name)
         if name not in _FIELD_NAMES:
             raise UnknownKeyError(key, known_keys())
         if name in values and values[name] != value:
             raise ShardConfigError(
-                key, f"is given twice with different values ({_show(values[name])} and {_show(value)}). Keep one."
+                key,
+                f"is given twice with different values ({show_value(values[name])} and {show_value(value)}). Keep one.",
             )
         values[name] = value
         explicit.add(name)
@@ -356,8 +347,8 @@ def _from_dict(raw: Mapping[str, Any]) -> ShardConfig:
 # ---------------------------------------------------------------- per-key validation
 
 
-def _show(value: Any, limit: int = 120) -> str:
-    """``repr`` for error messages, bounded: a 5000-digit int or a large nested value must not make
+def show_value(value: Any, limit: int = 120) -> str:
+    """``repr`` for error messages (shardcore's and backends'), bounded: a 5000-digit int or a large nested value must not make
     the message itself fail (Python refuses to print ints over 4300 digits) or run to megabytes."""
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 256:
         return f"{'-' if value < 0 else ''}<integer of about {int(value.bit_length() * 0.30103)} digits>"
@@ -373,14 +364,14 @@ def _bool(key: str, value: Any) -> bool:
         return value
     if isinstance(value, str) and value.strip().lower() in ("true", "false"):
         return value.strip().lower() == "true"
-    raise ShardConfigError(key, f"must be true or false, got {_show(value)} ({type(value).__name__}).")
+    raise ShardConfigError(key, f"must be true or false, got {show_value(value)} ({type(value).__name__}).")
 
 
 def _version(key: str, value: Any) -> int:
     if isinstance(value, str) and value.strip().isdecimal():  # not isdigit: int("²") fails
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ShardConfigError(key, f"must be the integer 2, got {_show(value)}.")
+        raise ShardConfigError(key, f"must be the integer 2, got {show_value(value)}.")
     if value == 1:
         raise ShardConfigError(
             key,
@@ -388,7 +379,7 @@ def _version(key: str, value: Any) -> int:
             "fsdp_version: 2); FSDP1 keys such as sharding_strategy map to reshard_after_forward.",
         )
     if value != 2:
-        raise ShardConfigError(key, f"must be 2, got {_show(value)}.")
+        raise ShardConfigError(key, f"must be 2, got {show_value(value)}.")
     return value
 
 
@@ -396,7 +387,7 @@ def _backend(key: str, value: Any) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or not value.strip():
-        raise ShardConfigError(key, f"must be a backend name such as 'fsdp2' or 'xla', got {_show(value)}.")
+        raise ShardConfigError(key, f"must be a backend name such as 'fsdp2' or 'xla', got {show_value(value)}.")
     value = value.strip()
     # a registered name, or "package.module:Class" (both halves dotted identifiers)
     module, sep, attr = value.partition(":")
@@ -407,7 +398,7 @@ def _backend(key: str, value: Any) -> str | None:
     if not ok:
         raise ShardConfigError(
             key,
-            f"{_show(value)} is neither a backend name (such as 'fsdp2' or 'xla') nor a "
+            f"{show_value(value)} is neither a backend name (such as 'fsdp2' or 'xla') nor a "
             "'package.module:BackendClass' path.",
         )
     return value
@@ -417,7 +408,7 @@ def _choice(choices: tuple[str, ...]):
     def check(key: str, value: Any) -> str:
         if isinstance(value, str) and value.strip().upper() in choices:
             return value.strip().upper()
-        raise ShardConfigError(key, f"must be one of {', '.join(choices)}, got {_show(value)}.")
+        raise ShardConfigError(key, f"must be one of {', '.join(choices)}, got {show_value(value)}.")
 
     return check
 
@@ -426,7 +417,7 @@ def _reshard(key: str, value: Any) -> bool:
     if isinstance(value, str) and value.strip().upper() in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"):
         raise ShardConfigError(
             key,
-            f"{_show(value)} is an FSDP1 sharding strategy. With FSDP2 set true (like FULL_SHARD) or "
+            f"{show_value(value)} is an FSDP1 sharding strategy. With FSDP2 set true (like FULL_SHARD) or "
             "false (like SHARD_GRAD_OP).",
         )
     return _bool(key, value)
@@ -441,16 +432,18 @@ def _class_list(key: str, value: Any) -> tuple[str, ...]:
         items = []
         for v in value:
             if not isinstance(v, str):
-                raise ShardConfigError(key, f"must list class names as strings, got {_show(v)} in {_show(value)}.")
+                raise ShardConfigError(
+                    key, f"must list class names as strings, got {show_value(v)} in {show_value(value)}."
+                )
             items.append(v.strip())
     else:
         raise ShardConfigError(
-            key, f"must be a list of class names or a comma-separated string, got {_show(value)}."
+            key, f"must be a list of class names or a comma-separated string, got {show_value(value)}."
         )
     items = [v for v in items if v]
     for v in items:
         if not v.isidentifier():
-            raise ShardConfigError(key, f"{_show(v)} is not a class name (in {_show(value)}).")
+            raise ShardConfigError(key, f"{show_value(v)} is not a class name (in {show_value(value)}).")
     return tuple(dict.fromkeys(items))
 
 
@@ -459,15 +452,18 @@ def _min_num_params(key: str, value: Any) -> int:
         try:
             value = float(value) if any(c in value for c in ".eE") else int(value)
         except ValueError:
-            raise ShardConfigError(key, f"must be a non-negative integer, got {_show(value)}.") from None
+            raise ShardConfigError(key, f"must be a non-negative integer, got {show_value(value)}.") from None
     if isinstance(value, float) and math.isfinite(value) and value == int(value):
         value = int(value)  # accelerate YAML often says 1e8
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ShardConfigError(key, f"must be a non-negative integer, got {_show(value)}.")
+        raise ShardConfigError(key, f"must be a non-negative integer, got {show_value(value)}.")
     return value
 
 
-def _dtype_name(key: str, value: Any) -> str | None:
+def dtype_name(key: str, value: Any) -> str | None:
+    """The canonical name (``"bfloat16"``) of a dtype given as a ``torch.dtype`` or a string in any
+    spelling the ecosystem uses (``"bf16"``, ``"torch.bfloat16"``); None stays None. Anything else
+    is a :class:`ShardConfigError` naming ``key``. Backends use it for their own dtype settings."""
     if value is None:
         return None
     if isinstance(value, str):
@@ -483,7 +479,7 @@ def _dtype_name(key: str, value: Any) -> str | None:
         except ImportError:  # pragma: no cover - torch is a dependency
             pass
     raise ShardConfigError(
-        key, f"{_show(value)} is not a dtype. Use one of bf16, fp16, fp32 (or bfloat16, float16, float32)."
+        key, f"{show_value(value)} is not a dtype. Use one of bf16, fp16, fp32 (or bfloat16, float16, float32)."
     )
 
 
@@ -494,7 +490,7 @@ def _mixed_precision(key: str, value: Any) -> MixedPrecision | None:
         return None
     if isinstance(value, (str,)) or _is_torch_dtype(value):
         # accelerate's mixed_precision: bf16 -> parameters and gradient reduction in bf16.
-        dt = _dtype_name(key, value)
+        dt = dtype_name(key, value)
         if dt == "float32":
             return None
         return MixedPrecision(param_dtype=dt, reduce_dtype=dt)
@@ -509,10 +505,10 @@ def _mixed_precision(key: str, value: Any) -> MixedPrecision | None:
                     f"{key}.buffer_dtype",
                     "FSDP2 does not cast buffers; remove it (cast buffers on the model yourself).",
                 )
-            kwargs[k] = _dtype_name(f"{key}.{k}", v)
+            kwargs[k] = dtype_name(f"{key}.{k}", v)
         return MixedPrecision(**kwargs)
     raise ShardConfigError(
-        key, f"must be 'no', 'bf16', 'fp16' or a mapping of param_dtype/reduce_dtype, got {_show(value)}."
+        key, f"must be 'no', 'bf16', 'fp16' or a mapping of param_dtype/reduce_dtype, got {show_value(value)}."
     )
 
 
@@ -527,23 +523,25 @@ def _xla_settings(key: str, value: Any) -> dict[str, Any]:
         try:
             value = json.loads(value)
         except json.JSONDecodeError:
-            raise ShardConfigError(key, f"must be a mapping of XlaFullyShardedDataParallel arguments, got {_show(value)}.") from None
+            raise ShardConfigError(
+                key, f"must be a mapping of XlaFullyShardedDataParallel arguments, got {show_value(value)}."
+            ) from None
     if not isinstance(value, Mapping):
         raise ShardConfigError(
-            key, f"must be a mapping of XlaFullyShardedDataParallel arguments, got {_show(value)}."
+            key, f"must be a mapping of XlaFullyShardedDataParallel arguments, got {show_value(value)}."
         )
     for k in value:
         if not isinstance(k, str):
-            raise ShardConfigError(f"{key}.{_show(k)}", "setting names must be strings.")
+            raise ShardConfigError(f"{key}.{show_value(k)}", "setting names must be strings.")
     # Which names and values are valid is the XLA backend's business (it knows the class).
     return dict(value)
 
 
 def _timeout(key: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ShardConfigError(key, f"must be a number of seconds, got {_show(value)}.")
+        raise ShardConfigError(key, f"must be a number of seconds, got {show_value(value)}.")
     if value <= 0 or value > 7 * 24 * 3600 or not math.isfinite(value):  # huge ints: no float()
-        raise ShardConfigError(key, f"must be a positive number of seconds up to a week, got {_show(value)}.")
+        raise ShardConfigError(key, f"must be a positive number of seconds up to a week, got {show_value(value)}.")
     return float(value)
 
 
@@ -572,13 +570,13 @@ def _check_combinations(cfg: ShardConfig) -> None:
     if cfg.auto_wrap_policy == "SIZE_BASED_WRAP" and cfg.min_num_params <= 0:
         raise ShardConfigError(
             "min_num_params",
-            f"is {_show(cfg.min_num_params)} with auto_wrap_policy SIZE_BASED_WRAP; every module would be "
+            f"is {show_value(cfg.min_num_params)} with auto_wrap_policy SIZE_BASED_WRAP; every module would be "
             "its own unit. Set min_num_params to a positive parameter count (e.g. 1e6).",
         )
     if "min_num_params" in cfg.explicit and cfg.min_num_params > 0 and cfg.auto_wrap_policy != "SIZE_BASED_WRAP":
         raise ShardConfigError(
             "min_num_params",
-            f"is {_show(cfg.min_num_params)} but auto_wrap_policy is {cfg.auto_wrap_policy}, which does not use "
+            f"is {show_value(cfg.min_num_params)} but auto_wrap_policy is {cfg.auto_wrap_policy}, which does not use "
             "it. Set auto_wrap_policy: SIZE_BASED_WRAP or remove min_num_params.",
         )
     if cfg.transformer_layer_cls_to_wrap and cfg.auto_wrap_policy != "TRANSFORMER_BASED_WRAP":
@@ -588,9 +586,7 @@ def _check_combinations(cfg: ShardConfig) -> None:
             "auto_wrap_policy: TRANSFORMER_BASED_WRAP or remove the class list.",
         )
     if cfg.backend is not None and cfg.xla and cfg.backend != "xla":
-        raise ShardConfigError(
-            "backend", f"is {cfg.backend!r} but xla is true, which selects 'xla'. Keep one of them."
-        )
+        raise ShardConfigError("backend", f"is {cfg.backend!r} but xla is true, which selects 'xla'. Keep one of them.")
     xla_only = [k for k in ("xla_fsdp_v2", "xla_fsdp_grad_ckpt") if getattr(cfg, k)]
     if cfg.xla_fsdp_settings:
         xla_only.append("xla_fsdp_settings")

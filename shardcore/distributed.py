@@ -4,6 +4,7 @@ Reads what ``torchrun`` and ``accelerate launch`` export (RANK, WORLD_SIZE, LOCA
 MASTER_ADDR, MASTER_PORT). Without them the process is a world of one. Every wait is bounded by
 the config's ``timeout`` so that a peer that never comes fails the run instead of hanging it.
 """
+
 from __future__ import annotations
 
 import atexit

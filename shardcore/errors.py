@@ -3,6 +3,7 @@
 Messages name the offending key, the value that was given and the fix, so that a user can act on
 the message alone.
 """
+
 from __future__ import annotations
 
 import difflib

@@ -2,6 +2,7 @@
 accumulation without communication, and starting a script's ranks. The per-rank helpers (batch
 slicing, step end, reductions, barrier) are methods of the handle, :class:`shardcore.ShardedModel`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -14,7 +15,8 @@ import torch
 from torch import nn
 
 from .api import ShardedModel, handle_or_none
-from .backend import Backend, GradClipping, GradSyncControl, Launcher, resolve_backend
+from .backend import Backend, resolve_backend
+from .capabilities import GradClipping, GradSyncControl, Launcher
 from .config import parse_config
 from .errors import ShardcoreError
 
@@ -54,9 +56,13 @@ def _norm_args(max_norm: Any, norm_type: Any) -> tuple[float, float]:
             "(norm_type may be 'inf')."
         ) from None
     if math.isnan(max_norm) or max_norm < 0:
-        raise ShardcoreError(f"shardcore.clip_grad_norm_: max_norm={max_norm!r}; use a number >= 0 (the Trainer's default is 1.0).")
+        raise ShardcoreError(
+            f"shardcore.clip_grad_norm_: max_norm={max_norm!r}; use a number >= 0 (the Trainer's default is 1.0)."
+        )
     if math.isnan(norm_type) or norm_type <= 0:
-        raise ShardcoreError(f"shardcore.clip_grad_norm_: norm_type={norm_type!r}; use a p > 0 (2.0 for the L2 norm) or 'inf'.")
+        raise ShardcoreError(
+            f"shardcore.clip_grad_norm_: norm_type={norm_type!r}; use a p > 0 (2.0 for the L2 norm) or 'inf'."
+        )
     return max_norm, norm_type
 
 
@@ -89,7 +95,9 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         yield
 
 
-def launch(fn: Callable[..., Any], config: Any = None, *, backend: str | Backend | None = None, args: tuple = ()) -> None:
+def launch(
+    fn: Callable[..., Any], config: Any = None, *, backend: str | Backend | None = None, args: tuple = ()
+) -> None:
     """Run ``fn(*args)`` once per rank of the backend that ``config`` selects, the way that backend's
     ranks are started, and return when all have finished.
 

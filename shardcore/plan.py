@@ -4,6 +4,7 @@ Backends receive the plan and apply it; they never re-decide wrapping. Units are
 first (post-order), the order in which ``fully_shard``-style APIs must be applied, and the root comes
 last and takes every parameter no unit took.
 """
+
 from __future__ import annotations
 
 import math
@@ -62,11 +63,7 @@ def build_plan(model: nn.Module, config: ShardConfig) -> WrapPlan:
         chosen: list[str] = []
     elif policy == "TRANSFORMER_BASED_WRAP":
         classes = _transformer_classes(model, config)
-        chosen = [
-            name
-            for name, mod in _post_order(model)
-            if name and type(mod).__name__ in classes
-        ]
+        chosen = [name for name, mod in _post_order(model) if name and type(mod).__name__ in classes]
     elif policy == "SIZE_BASED_WRAP":
         chosen = _size_based(model, config.min_num_params)
     else:  # pragma: no cover - ShardConfig validated it
@@ -174,9 +171,7 @@ def _make_plan(model: nn.Module, policy: str, chosen: list[str]) -> WrapPlan:
         mod = model.get_submodule(path)
         mine = [p for p in mod.parameters() if id(p) not in assigned]
         assigned.update(id(p) for p in mine)
-        units.append(
-            Unit(path, type(mod).__name__, sum(p.numel() for p in mine), tuple(names[id(p)] for p in mine))
-        )
+        units.append(Unit(path, type(mod).__name__, sum(p.numel() for p in mine), tuple(names[id(p)] for p in mine)))
     rest = [p for p in model.parameters() if id(p) not in assigned]
     root = Unit("", type(model).__name__, sum(p.numel() for p in rest), tuple(names[id(p)] for p in rest))
     return WrapPlan(policy, tuple(units), root)
@@ -198,7 +193,9 @@ class MemoryEstimate:
         return self.param_bytes + self.grad_bytes + self.optim_bytes
 
 
-def estimate_memory(model: nn.Module, world_size: int, optim_state_dtype: torch.dtype = torch.float32) -> MemoryEstimate:
+def estimate_memory(
+    model: nn.Module, world_size: int, optim_state_dtype: torch.dtype = torch.float32
+) -> MemoryEstimate:
     """Bytes per rank (the largest, rank 0) of parameters, gradients and AdamW state after sharding.
 
     FSDP-style sharding splits every parameter along dim 0 in ``world_size`` chunks of

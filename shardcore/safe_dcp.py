@@ -7,6 +7,7 @@ load. Here the metadata is unpickled with an allow-list of exactly the classes D
 of, and non-tensor entries with ``torch.load(weights_only=True)``. Anything else is a
 :class:`~shardcore.errors.CheckpointError` raised before the object is built.
 """
+
 from __future__ import annotations
 
 import io
@@ -19,8 +20,14 @@ from .errors import CheckpointError
 
 _METADATA_CLASSES = {
     "torch.distributed.checkpoint.metadata": {
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING",
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
     },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch": {"Size"},
@@ -37,9 +44,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)  # tensor dtypes (torch.float32): values, not callables
-        raise pickle.UnpicklingError(
-            f"{module}.{name} is not part of torch.distributed.checkpoint metadata"
-        )
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of torch.distributed.checkpoint metadata")
 
 
 def load_metadata(stream: Any, where: str) -> Any:

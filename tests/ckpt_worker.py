@@ -4,6 +4,7 @@ Every rank runs the scenario; rank 0 writes what the test checks into DIR (per-r
 ``DIR/<name>.rank<r>.json``). The model is the conformance suite's tiny Llama with tied embeddings,
 trained with AdamW on the conformance batches, so every run sees the same numbers.
 """
+
 from __future__ import annotations
 
 import json
@@ -193,18 +194,25 @@ def efficient(d: Path) -> None:
         on_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
         diffs = {}
         for n, p in model.state_dict().items():
-            src = ref.get(n, ref.get(ckpt._aliases(model).get(n, "")))
+            src = ref.get(n, ref.get(ckpt.tied_names(model).get(n, "")))
             local = p.to_local() if hasattr(p, "to_local") else p
             expect = _local_part(src, p) if hasattr(p, "to_local") else src
             diffs[n] = float((local.float() - expect.float()).abs().max()) if local.numel() else 0.0
         plain = build()  # the rotary buffers a model computes itself
         buffers = {n: float((b - dict(plain.named_buffers())[n]).abs().max()) for n, b in model.named_buffers()}
-        write_rank(d, f"efficient_{name}", {
-            "on_meta": on_meta, "max_param_diff": max(diffs.values()), "n": len(diffs),
-            "max_buffer_diff": max(buffers.values()), "buffers": sorted(buffers),
-            "logits": logits(model).tolist(),
-            "tied": model.lm_head.weight is model.model.embed_tokens.weight,
-        })
+        write_rank(
+            d,
+            f"efficient_{name}",
+            {
+                "on_meta": on_meta,
+                "max_param_diff": max(diffs.values()),
+                "n": len(diffs),
+                "max_buffer_diff": max(buffers.values()),
+                "buffers": sorted(buffers),
+                "logits": logits(model).tolist(),
+                "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+            },
+        )
         del model
 
 
@@ -237,7 +245,13 @@ def main() -> None:
     if scenario == "kill":
         kill(d, sys.argv[3])
     else:
-        {"train_save": train_save, "world1": world1, "world1_killed": world1_killed, "resume": resume, "efficient": efficient}[scenario](d)
+        {
+            "train_save": train_save,
+            "world1": world1,
+            "world1_killed": world1_killed,
+            "resume": resume,
+            "efficient": efficient,
+        }[scenario](d)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

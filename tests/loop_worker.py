@@ -6,6 +6,7 @@ Both sides see the same initial weights (one seed, built on CPU), the same batch
 order (the Trainer's sequential sampler) and the same AdamW; each writes its per-step loss and
 gradient norm (before clipping) as JSON.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,8 +24,14 @@ def build():
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation="eager",
     )
     return LlamaForCausalLM(cfg)
 
@@ -40,10 +47,23 @@ def run_trainer(out: str) -> None:
 
     data = [{"input_ids": r, "labels": r} for r in rows()]
     args = TrainingArguments(
-        output_dir=out + ".trainer", per_device_train_batch_size=PER_DEVICE, gradient_accumulation_steps=ACCUM,
-        max_steps=STEPS, learning_rate=LR, max_grad_norm=MAX_NORM, lr_scheduler_type="constant", warmup_steps=0,
-        weight_decay=0.0, optim="adamw_torch", logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
-        train_sampling_strategy="sequential", seed=0, disable_tqdm=True,
+        output_dir=out + ".trainer",
+        per_device_train_batch_size=PER_DEVICE,
+        gradient_accumulation_steps=ACCUM,
+        max_steps=STEPS,
+        learning_rate=LR,
+        max_grad_norm=MAX_NORM,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        optim="adamw_torch",
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        train_sampling_strategy="sequential",
+        seed=0,
+        disable_tqdm=True,
     )
     trainer = Trainer(model=build(), args=args, train_dataset=data)
     trainer.train()

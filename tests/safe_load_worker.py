@@ -7,6 +7,7 @@
 
 Prints JSON: the error shardcore.load raised (type, message), or null.
 """
+
 import json
 import os
 import pickle

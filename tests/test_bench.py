@@ -3,6 +3,7 @@
 Times are never asserted (the machine is shared and noisy); byte counts are exact, so the memory
 figures are checked against their goal and the `shardcore plan` estimate.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,9 @@ def _run(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedPro
     env = dict(os.environ, USE_TORCH_XLA="0")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True,
-                         timeout=timeout, env=env)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return out
 
@@ -64,7 +66,9 @@ def test_gpu_script_without_cuda_says_so_and_exits_0():
 def test_overhead_xla_tiny_compares_both_modes_without_recompiling(tmp_path):
     pytest.importorskip("torch_xla", reason="the XLA comparison needs torch_xla")
     res = tmp_path / "overhead.json"
-    out = _run("overhead.py", "--only-xla", "--size", "tiny", "--steps", "2", "--warmup", "2", "--out", str(res), timeout=600)
+    out = _run(
+        "overhead.py", "--only-xla", "--size", "tiny", "--steps", "2", "--warmup", "2", "--out", str(res), timeout=600
+    )
     results = {r["backend"]: r for r in json.loads(res.read_text())["results"]}
     assert set(results) == {"xla", "xla-fsdp"}, out.stdout
     fsdp = results["xla-fsdp"]
@@ -84,8 +88,21 @@ def test_accumulation_counts_one_reduction_per_unit_with_no_sync(tmp_path):
     except ImportError:
         xla = False
     res = tmp_path / "accumulation.json"
-    out = _run("accumulation.py", "--size", "tiny", "--accum", "3", "--steps", "2", "--warmup", "1", "--out", str(res),
-               *(["--xla"] if xla else []), timeout=900)
+    out = _run(
+        "accumulation.py",
+        "--size",
+        "tiny",
+        "--accum",
+        "3",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--out",
+        str(res),
+        *(["--xla"] if xla else []),
+        timeout=900,
+    )
     results = json.loads(res.read_text())["results"]
     assert len(results) == (2 if xla else 1), out.stdout
     for r in results:

@@ -4,6 +4,7 @@ cpu_ram_efficient_loading, and the errors for bad input.
 Multi-process checks run ``tests/ckpt_worker.py`` under ``torchrun`` in fresh processes (a new
 process group each time), with a deadline; the checks that need no process group run here.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,19 @@ DEADLINE = 240.0
 
 def _command(nproc: int, *args: str) -> list[str]:
     return [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(WORKER), *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        str(WORKER),
+        *args,
     ]
 
 
@@ -49,7 +61,9 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def torchrun(nproc: int, *args: str, timeout: float = DEADLINE) -> None:
     """Run the worker on ``nproc`` ranks; a failure or a hang past ``timeout`` fails the test."""
-    proc = subprocess.Popen(_command(nproc, *args), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        _command(nproc, *args), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -58,7 +72,12 @@ def torchrun(nproc: int, *args: str, timeout: float = DEADLINE) -> None:
     if proc.returncode != 0:
         text = out.decode(errors="replace")
         errors = [ln for ln in text.splitlines() if "Error" in ln or "error" in ln]
-        pytest.fail(f"ckpt_worker {' '.join(args)} on {nproc} ranks failed (rc {proc.returncode}):\n" + "\n".join(errors[-15:]) + "\n" + text[-3000:])
+        pytest.fail(
+            f"ckpt_worker {' '.join(args)} on {nproc} ranks failed (rc {proc.returncode}):\n"
+            + "\n".join(errors[-15:])
+            + "\n"
+            + text[-3000:]
+        )
 
 
 def llama(seed: int = 0, **overrides):
@@ -131,7 +150,9 @@ def test_full_checkpoint_is_from_pretrained_loadable(runs):
     model = AutoModelForCausalLM.from_pretrained(runs / "full3")
     assert type(model).__name__ == "LlamaForCausalLM"
     assert model.lm_head.weight is model.model.embed_tokens.weight  # stored once, tied again on load
-    assert_same_state({k: v.float() for k, v in state_of(model).items()}, {k: v.float() for k, v in step3["state"].items()})
+    assert_same_state(
+        {k: v.float() for k, v in state_of(model).items()}, {k: v.float() for k, v in step3["state"].items()}
+    )
     with torch.no_grad():
         got = model(input_ids=torch.arange(24).reshape(2, 12) % 97).logits
     diff = float((got - step3["logits"]).abs().max())
@@ -201,8 +222,11 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path, kind):
     """SIGKILL every process of a 2-rank run while its second save is on disk but not committed."""
     marker = tmp_path / "saving"
     proc = subprocess.Popen(
-        _command(2, "kill", str(tmp_path), kind), env=_env(CKPT_MARKER=str(marker)),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        _command(2, "kill", str(tmp_path), kind),
+        env=_env(CKPT_MARKER=str(marker)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     try:
         deadline = time.time() + DEADLINE
@@ -285,7 +309,10 @@ def test_not_a_checkpoint(tmp_path):
 def test_checkpoint_of_another_model(tmp_path):
     torch.manual_seed(0)
     shardcore.save(MLP(d_in=13, hidden=33), tmp_path / "a")
-    with pytest.raises(shardcore.CheckpointError, match=r"another model.*shape.*blocks\.0\.fc\.weight: checkpoint \(33, 13\), model \(40, 13\)"):
+    with pytest.raises(
+        shardcore.CheckpointError,
+        match=r"another model.*shape.*blocks\.0\.fc\.weight: checkpoint \(33, 13\), model \(40, 13\)",
+    ):
         shardcore.load(MLP(hidden=40), tmp_path / "a")
     with pytest.raises(shardcore.CheckpointError, match=r"another model: \d+ missing.*\d+ unexpected"):
         shardcore.load(llama(), tmp_path / "a")
@@ -303,7 +330,10 @@ def test_sharded_checkpoint_outside_a_sharded_run(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
-    with pytest.raises(shardcore.CheckpointError, match=r"SHARDED_STATE_DICT checkpoint.*loads only into a model returned by shardcore.shard\(\).*FULL_STATE_DICT"):
+    with pytest.raises(
+        shardcore.CheckpointError,
+        match=r"SHARDED_STATE_DICT checkpoint.*loads only into a model returned by shardcore.shard\(\).*FULL_STATE_DICT",
+    ):
         shardcore.load(model, tmp_path / "dcp")
 
 

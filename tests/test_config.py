@@ -1,4 +1,5 @@
 """Every config source, and every config error, of ShardConfig."""
+
 import json
 
 import pytest
@@ -39,8 +40,17 @@ def test_dict_with_fsdp_prefixes_and_comma_string():
 
 def test_json_file(tmp_path):
     p = tmp_path / "fsdp.json"
-    p.write_text(json.dumps({"version": 2, "auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 1e6,
-                             "activation_checkpointing": True, "mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}))
+    p.write_text(
+        json.dumps(
+            {
+                "version": 2,
+                "auto_wrap_policy": "SIZE_BASED_WRAP",
+                "min_num_params": 1e6,
+                "activation_checkpointing": True,
+                "mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"},
+            }
+        )
+    )
     cfg = parse_config(p)
     assert cfg.auto_wrap_policy == "SIZE_BASED_WRAP" and cfg.min_num_params == 1_000_000
     assert cfg.activation_checkpointing is True
@@ -112,8 +122,15 @@ def test_training_arguments(tmp_path):
     from transformers import TrainingArguments
 
     args = TrainingArguments(
-        output_dir=str(tmp_path), fsdp=True, ddp_timeout=77, report_to=[],
-        fsdp_config={"fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer", "reshard_after_forward": False, "cpu_offload": True},
+        output_dir=str(tmp_path),
+        fsdp=True,
+        ddp_timeout=77,
+        report_to=[],
+        fsdp_config={
+            "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer",
+            "reshard_after_forward": False,
+            "cpu_offload": True,
+        },
     )
     cfg = parse_config(args)
     assert cfg.transformer_layer_cls_to_wrap == ("LlamaDecoderLayer",)
@@ -135,8 +152,13 @@ def test_training_arguments_json_path(tmp_path):
 def test_training_arguments_both_checkpointing_flags_conflict(tmp_path):
     from transformers import TrainingArguments
 
-    args = TrainingArguments(output_dir=str(tmp_path), fsdp=True, report_to=[], activation_checkpointing=True,
-                             fsdp_config={"activation_checkpointing": True})
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        fsdp=True,
+        report_to=[],
+        activation_checkpointing=True,
+        fsdp_config={"activation_checkpointing": True},
+    )
     with pytest.raises(ShardConfigError, match="activation_checkpointing") as e:
         parse_config(args)
     assert e.value.key == "activation_checkpointing"
@@ -154,8 +176,14 @@ def test_shardconfig_passthrough_and_round_trip():
 def test_xla_flag_selects_xla_backend():
     assert parse_config({"xla": True}).backend_name == "xla"
     assert parse_config({"backend": "mybackend"}).backend_name == "mybackend"
-    cfg = parse_config({"xla": True, "xla_fsdp_v2": True, "xla_fsdp_grad_ckpt": True,
-                        "xla_fsdp_settings": {"compute_dtype": "bfloat16"}})
+    cfg = parse_config(
+        {
+            "xla": True,
+            "xla_fsdp_v2": True,
+            "xla_fsdp_grad_ckpt": True,
+            "xla_fsdp_settings": {"compute_dtype": "bfloat16"},
+        }
+    )
     assert cfg.xla_fsdp_settings == {"compute_dtype": "bfloat16"}
 
 
@@ -176,7 +204,11 @@ def test_xla_flag_selects_xla_backend():
         ({"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": "lots"}, "min_num_params", "non-negative integer"),
         ({"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 1.5}, "min_num_params", "non-negative integer"),
         ({"min_num_params": 100}, "min_num_params", "SIZE_BASED_WRAP"),
-        ({"auto_wrap_policy": "NO_WRAP", "transformer_layer_cls_to_wrap": ["X"]}, "transformer_layer_cls_to_wrap", "does not use it"),
+        (
+            {"auto_wrap_policy": "NO_WRAP", "transformer_layer_cls_to_wrap": ["X"]},
+            "transformer_layer_cls_to_wrap",
+            "does not use it",
+        ),
         ({"transformer_layer_cls_to_wrap": 5}, "transformer_layer_cls_to_wrap", "list of class names"),
         ({"transformer_layer_cls_to_wrap": ["Llama Layer"]}, "transformer_layer_cls_to_wrap", "not a class name"),
         ({"state_dict_type": "LOCAL_STATE_DICT"}, "state_dict_type", "FULL_STATE_DICT"),
@@ -208,7 +240,12 @@ def test_errors_name_key_value_and_fix(raw, key, fragment):
         ("missing.json", None, ShardConfigError, "not a file"),
         ("bad.json", "{not json", ShardConfigError, "not valid JSON"),
         ("list.json", "[1, 2]", ShardConfigError, "JSON object"),
-        ("a.yaml", "distributed_type: MULTI_GPU\nfsdp_config: {fsdp_version: 2}\n", ShardConfigError, "distributed_type"),
+        (
+            "a.yaml",
+            "distributed_type: MULTI_GPU\nfsdp_config: {fsdp_version: 2}\n",
+            ShardConfigError,
+            "distributed_type",
+        ),
         ("b.yaml", "distributed_tpye: FSDP\nfsdp_config: {fsdp_version: 2}\n", UnknownKeyError, "distributed_type"),
     ],
 )

@@ -4,6 +4,7 @@ out-of-tree backend package installed and run by its entry-point name).
 
 The full FSDP2 matrix runs once, in tests/test_fsdp2_multiprocess.py; the runs here use a few cases.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,15 @@ class _Keys:
         self.supported_keys = frozenset(keys)
 
 
-XLA_KEYS = ("xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt", "xla_fsdp_settings", "auto_wrap_policy",
-            "transformer_layer_cls_to_wrap", "min_num_params")
+XLA_KEYS = (
+    "xla",
+    "xla_fsdp_v2",
+    "xla_fsdp_grad_ckpt",
+    "xla_fsdp_settings",
+    "auto_wrap_policy",
+    "transformer_layer_cls_to_wrap",
+    "min_num_params",
+)
 
 
 # ------------------------------------------------------------------------------ the case matrix
@@ -57,7 +65,18 @@ def test_fsdp2_matrix_makes_every_supported_key_a_dimension():
     _check_matrix(cases, keys)
     assert set(covered_keys(cases)) == set(keys)
     families = {c.family for c in cases}
-    assert {"mlp", "llama", "gpt2", "frozen", "buffers", "uneven", "grad_accum", "lr_schedule", "mixed_precision", "cpu_offload"} <= families
+    assert {
+        "mlp",
+        "llama",
+        "gpt2",
+        "frozen",
+        "buffers",
+        "uneven",
+        "grad_accum",
+        "lr_schedule",
+        "mixed_precision",
+        "cpu_offload",
+    } <= families
     by_name = {c.name: c for c in cases}
     assert by_name["grad_accum-llama"].grad_accum == 2
     assert by_name["lr_schedule-gpt2"].lr_schedule == "warmup_cosine"
@@ -108,8 +127,11 @@ def test_xla_matrix_from_xla_keys():
 
 def _result(loss=1.0, w=0.5, frozen_w=2.0):
     return {
-        "losses": [loss, loss * 0.9], "grad_norms": [3.0, 2.0], "lrs": [1e-2, 1e-2],
-        "params": {"w": torch.tensor([w]), "f": torch.tensor([frozen_w])}, "frozen": ["f"],
+        "losses": [loss, loss * 0.9],
+        "grad_norms": [3.0, 2.0],
+        "lrs": [1e-2, 1e-2],
+        "params": {"w": torch.tensor([w]), "f": torch.tensor([frozen_w])},
+        "frozen": ["f"],
         "probe": torch.tensor([[1.0, 2.0]]),
     }
 
@@ -117,7 +139,13 @@ def _result(loss=1.0, w=0.5, frozen_w=2.0):
 def _sharded(**kw):
     r = _result(**{k: kw.pop(k) for k in list(kw) if k in ("loss", "w", "frozen_w")})
     del r["probe"]
-    r["checkpoint"] = {"method": "test", "fresh_param_diff": 0.0, "reload_param_diff": 0.0, "probe": torch.tensor([[1.0, 2.0]]), **kw}
+    r["checkpoint"] = {
+        "method": "test",
+        "fresh_param_diff": 0.0,
+        "reload_param_diff": 0.0,
+        "probe": torch.tensor([[1.0, 2.0]]),
+        **kw,
+    }
     return r
 
 
@@ -128,7 +156,9 @@ def test_compare_passes_equal_runs_and_names_each_failure():
         "frozen parameter f": _sharded(frozen_w=2.0 + 1e-6),  # within param_atol, but frozen must be exact
         "checkpoint round trip (test): a fresh single-device model": _sharded(fresh_param_diff=1e-3),
         "loaded from its own checkpoint": _sharded(reload_param_diff=1e-3),
-        "outputs of the model loaded from the checkpoint": _sharded(probe=torch.tensor([[1.0, 2.0 + 10 * tol.output_atol]])),
+        "outputs of the model loaded from the checkpoint": _sharded(
+            probe=torch.tensor([[1.0, 2.0 + 10 * tol.output_atol]])
+        ),
         "final parameter w differs": _sharded(w=0.5 + 10 * tol.param_atol),
         "loss differs at step 0": _sharded(loss=1.0 + 1e-3),
     }
@@ -162,6 +192,7 @@ def test_cli_list_and_usage_errors(capsys):
 
 # ------------------------------------------------------------------------------ the CLI, for real
 
+
 def _run(args, env_extra=None, timeout=420):
     env = dict(os.environ, USE_TORCH_XLA="0")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -177,7 +208,20 @@ def _run(args, env_extra=None, timeout=420):
 @pytest.mark.multiprocess
 def test_cli_runs_cases_and_writes_the_report(tmp_path):
     pattern = "mlp-transformer-reshard1-ac0,gpt2-transformer-reshard0-ac1,frozen-mlp,buffers-mlp,uneven-mlp,grad_accum-mlp,lr_schedule-mlp,mlp-mp-bf16"
-    out = _run(["--backend", "fsdp2", "--world-size", "2", "--cases", pattern, "--report", str(tmp_path), "--case-timeout", "180"])
+    out = _run(
+        [
+            "--backend",
+            "fsdp2",
+            "--world-size",
+            "2",
+            "--cases",
+            pattern,
+            "--report",
+            str(tmp_path),
+            "--case-timeout",
+            "180",
+        ]
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "PASS: 8/8 cases passed" in out.stdout
     assert "[16/16" in out.stderr and "fsdp2 buffers-mlp PASS" in out.stderr  # progress and verdicts
@@ -193,7 +237,13 @@ def test_cli_runs_cases_and_writes_the_report(tmp_path):
         assert 0 <= r["max_param_diff"] <= tol.param_atol and 0 <= r["max_output_diff"] <= tol.output_atol, name
         assert r["checkpoint_param_diff"] == 0.0 and r["checkpoint_method"], name
         assert r["sharded_losses"][0] != r["sharded_losses"][-1], name  # it trained
-    assert rows["frozen-mlp"]["frozen_params"] == ["blocks.0.fc.weight", "blocks.0.fc.bias", "blocks.0.norm.weight", "blocks.0.norm.bias", "head.bias"]
+    assert rows["frozen-mlp"]["frozen_params"] == [
+        "blocks.0.fc.weight",
+        "blocks.0.fc.bias",
+        "blocks.0.norm.weight",
+        "blocks.0.norm.bias",
+        "head.bias",
+    ]
     lrs = rows["lr_schedule-mlp"]["lrs"]
     assert lrs[0] < lrs[1] and lrs[-1] < lrs[2]  # warm-up, then decay
     assert doc["families"]["frozen"]["passed"] == 1
@@ -231,9 +281,66 @@ def test_cli_catches_broken_backends(tmp_path, backend, case, expected):
 
 
 @pytest.mark.multiprocess
+def test_xfails_report_known_gaps_apart_and_only_unexpected_failures_fail(tmp_path):
+    """A vendor's --xfails file: the broken backend's failing clipping case is an expected failure (exit 0,
+    listed apart), a passing case it names is an unexpected pass, an entry matching nothing warns;
+    a failing case it does not name still fails the run."""
+    xf = tmp_path / "xfails.txt"
+    xf.write_text("# known gaps\nclip-*  local norm VENDOR-1\nuneven-mlp  stale entry\nnothing-*  matches no case\n")
+    cases = "clip-llama,uneven-mlp"
+    backend = "shardcore_conformance.broken:LocalNormClippingBackend"
+    out = _run(
+        ["--backend", backend, "--cases", cases, "--xfails", str(xf), "--report", str(tmp_path / "r"), "--no-plots"]
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (line,) = [x for x in out.stdout.splitlines() if x.startswith("XFAIL clip-llama (expected: local norm VENDOR-1): ")]
+    assert "clipping norm differs at step 0" in line, line
+    assert "XPASS uneven-mlp" in out.stdout and "PASS: 1/2 cases passed, 1 expected failures" in out.stdout
+    assert "line 4: 'nothing-*' matches no case of this run" in out.stderr
+    doc = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert doc["ok"] and doc["failed"] == 0
+    assert [x["case"] for x in doc["expected_failures"]] == ["clip-llama"]
+    assert [x["case"] for x in doc["unexpected_passes"]] == ["uneven-mlp"]
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert "## Expected failures" in md and "| clip-llama | fp32 | expected fail |" in md
+
+    xf.write_text("uneven-mlp  a gap elsewhere\n")
+    out = _run(
+        ["--backend", backend, "--cases", cases, "--xfails", str(xf), "--report", str(tmp_path / "r2"), "--no-plots"]
+    )
+    assert out.returncode == 1, out.stdout[-3000:]
+    (line,) = [x for x in out.stdout.splitlines() if x.startswith("FAIL clip-llama: ")]
+    assert "clipping norm differs at step 0" in line, line
+
+
+def test_malformed_xfails_file_is_a_usage_error(tmp_path, capsys):
+    xf = tmp_path / "xfails.txt"
+    xf.write_text("grad_accum-mlp\n")
+    assert (
+        cli_main(["--backend", "fsdp2", "--cases", "grad_accum-mlp", "--xfails", str(xf), "--report", str(tmp_path)])
+        == 2
+    )
+    assert "line 1: 'grad_accum-mlp' has no reason" in capsys.readouterr().err
+    assert cli_main(["--backend", "fsdp2", "--cases", "grad_accum-mlp", "--xfails", str(tmp_path / "none.txt")]) == 2
+    assert "cannot read it" in capsys.readouterr().err
+
+
+@pytest.mark.multiprocess
 def test_cli_case_timeout_kills_and_fails(tmp_path):
-    out = _run(["--backend", "fsdp2", "--cases", "mlp-transformer-reshard1-ac0", "--case-timeout", "0.5",
-                "--report", str(tmp_path), "--no-plots"], timeout=120)
+    out = _run(
+        [
+            "--backend",
+            "fsdp2",
+            "--cases",
+            "mlp-transformer-reshard1-ac0",
+            "--case-timeout",
+            "0.5",
+            "--report",
+            str(tmp_path),
+            "--no-plots",
+        ],
+        timeout=120,
+    )
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     assert "did not finish within 0.5s (timeout)" in out.stdout
 
@@ -245,10 +352,14 @@ def vendor_site(tmp_path_factory):
     leaves nothing in the source tree."""
     tmp = tmp_path_factory.mktemp("vendor")
     src, site = tmp / "src", tmp / "site"
-    shutil.copytree(ROOT / "examples" / "vendor_backend", src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    shutil.copytree(
+        ROOT / "examples" / "vendor_backend", src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__")
+    )
     out = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", "--target", str(site), str(src)],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert (site / "shardcore_replicate_example").is_dir()
@@ -268,8 +379,20 @@ def test_vendor_backend_is_found_by_name_and_passes(vendor_site, tmp_path):
     bf16 = _run(["--backend", "replicate-example", "--dtype", "bf16", "--list"], env_extra=env, timeout=120)
     assert bf16.returncode == 2 and "no way to compute in bf16" in bf16.stderr
 
-    out = _run(["--backend", "replicate-example", "--world-size", "2", "--cases", "gpt2-transformer,frozen-llama,buffers-mlp,grad_accum-mlp,clip-llama",
-                "--report", str(tmp_path), "--no-plots"], env_extra=env)
+    out = _run(
+        [
+            "--backend",
+            "replicate-example",
+            "--world-size",
+            "2",
+            "--cases",
+            "gpt2-transformer,frozen-llama,buffers-mlp,grad_accum-mlp,clip-llama",
+            "--report",
+            str(tmp_path),
+            "--no-plots",
+        ],
+        env_extra=env,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "PASS: 5/5 cases passed" in out.stdout
     doc = json.loads((tmp_path / "report.json").read_text())

@@ -1,6 +1,6 @@
 """FSDP2 for real: 2 gloo ranks in separate processes against the single-device reference."""
+
 import os
-import re
 import subprocess
 import sys
 import time
@@ -31,7 +31,10 @@ def test_fsdp2_matches_single_device_on_every_case(tmp_path):
 
 
 def test_failing_case_is_reported_and_the_rest_still_run():
-    cases = [Case("mlp-bad-class", "mlp", {"transformer_layer_cls_to_wrap": ["NoSuchBlock"]}), Case("mlp-ok", "mlp", {})]
+    cases = [
+        Case("mlp-bad-class", "mlp", {"transformer_layer_cls_to_wrap": ["NoSuchBlock"]}),
+        Case("mlp-ok", "mlp", {}),
+    ]
     result = run_suite(cases, "fsdp2", world_size=2, case_timeout=180)
     bad, good = result.verdicts
     assert not bad.ok and "NoSuchBlock" in bad.reasons[0]
@@ -55,9 +58,21 @@ def test_accelerate_launch(tmp_path):
         "  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n  fsdp_reshard_after_forward: false\n"
     )
     out = subprocess.run(
-        [str(BIN / "accelerate"), "launch", "--config_file", str(cfg), str(ROOT / "examples" / "demo.py"),
-         "--steps", "3", "--config", str(cfg)],
-        capture_output=True, text=True, timeout=300, env=_env(),
+        [
+            str(BIN / "accelerate"),
+            "launch",
+            "--config_file",
+            str(cfg),
+            str(ROOT / "examples" / "demo.py"),
+            "--steps",
+            "3",
+            "--config",
+            str(cfg),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "fsdp2 on 2 rank(s) (cpu)" in out.stdout
@@ -75,7 +90,10 @@ def test_missing_peer_fails_within_timeout():
     )
     t0 = time.time()
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
         env=_env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29547"),
     )
     assert "CLEAR ERROR:" in out.stdout, out.stderr[-2000:]
@@ -85,6 +103,8 @@ def test_missing_peer_fails_within_timeout():
 
 def test_incomplete_launcher_environment():
     code = "import shardcore\nfrom shardcore_conformance.models import MLP\nshardcore.shard(MLP(), {})\n"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_env(RANK="0", WORLD_SIZE="2"))
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_env(RANK="0", WORLD_SIZE="2")
+    )
     assert out.returncode != 0
     assert "DistributedSetupError" in out.stderr and "MASTER_ADDR" in out.stderr

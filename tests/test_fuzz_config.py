@@ -5,12 +5,12 @@ with values of the wrong type, odd strings, huge numbers and nested junk. The or
 for every example: no exception other than a ``ShardcoreError``; a ``ShardConfigError`` or
 ``WrapPlanError`` carries a ``.key`` that is (or whose message names) a key of the input.
 """
+
 from __future__ import annotations
 
 import math
 import reprlib
 
-import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -38,22 +38,68 @@ huge = st.one_of(
     st.sampled_from([2**63, -1, 0, 1, 2, 1e308, -1e308, 1e-320]),
 )
 odd_strings = st.sampled_from(
-    ["", " ", "²", "١٢", "1e999", "nan", "inf", "-0", "0x10", "1_000", "TRUE", " true ", "no", "bf16",
-     "torch.float16", "FULL_SHARD", "NO_WRAP", "size_based_wrap", ":", "a:", ":b", ".", "..x:Y", "os:path",
-     "sys:", "fsdp2", "xla", "{}", "[1]", '{"a": [1, {"b": null}]}', "LlamaDecoderLayer, MLPBlock", "1e8",
-     "\x00", "\ud800", "a" * 300]
+    [
+        "",
+        " ",
+        "²",
+        "١٢",
+        "1e999",
+        "nan",
+        "inf",
+        "-0",
+        "0x10",
+        "1_000",
+        "TRUE",
+        " true ",
+        "no",
+        "bf16",
+        "torch.float16",
+        "FULL_SHARD",
+        "NO_WRAP",
+        "size_based_wrap",
+        ":",
+        "a:",
+        ":b",
+        ".",
+        "..x:Y",
+        "os:path",
+        "sys:",
+        "fsdp2",
+        "xla",
+        "{}",
+        "[1]",
+        '{"a": [1, {"b": null}]}',
+        "LlamaDecoderLayer, MLPBlock",
+        "1e8",
+        "\x00",
+        "\ud800",
+        "a" * 300,
+    ]
 )
 scalar = st.one_of(
-    st.none(), st.booleans(), st.integers(), huge, st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=20), odd_strings, st.sampled_from([torch.float16, torch.bfloat16, torch.int8]),
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    huge,
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=20),
+    odd_strings,
+    st.sampled_from([torch.float16, torch.bfloat16, torch.int8]),
 )
 junk = st.recursive(
     scalar,
     lambda inner: st.one_of(
         st.lists(inner, max_size=4),
         st.tuples(inner, inner),
-        st.dictionaries(st.one_of(st.text(max_size=8), st.integers(), st.sampled_from(
-            ["param_dtype", "reduce_dtype", "output_dtype", "buffer_dtype", "compute_dtype"])), inner, max_size=4),
+        st.dictionaries(
+            st.one_of(
+                st.text(max_size=8),
+                st.integers(),
+                st.sampled_from(["param_dtype", "reduce_dtype", "output_dtype", "buffer_dtype", "compute_dtype"]),
+            ),
+            inner,
+            max_size=4,
+        ),
     ),
     max_leaves=12,
 )
@@ -85,7 +131,11 @@ def check_error(raw: dict, e: BaseException) -> None:
         named = _norm(e.key)
         assert named in known_keys() | {"config"} or e.key in given_keys, (e.key, _r(raw))
         # the key at fault is one the user wrote, or the message names the one it conflicts with
-        assert named in given_keys or e.key in given_keys or any(f"{k}" in msg for k in given_keys if k), (e.key, _r(raw), msg)
+        assert named in given_keys or e.key in given_keys or any(f"{k}" in msg for k in given_keys if k), (
+            e.key,
+            _r(raw),
+            msg,
+        )
     else:
         assert any(k and k in msg for k in given_keys), (type(e).__name__, msg, _r(raw))
 

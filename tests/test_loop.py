@@ -1,5 +1,6 @@
 """The backend-neutral training loop: shardcore.clip_grad_norm_, no_sync, launch and the handle's
 per-rank helpers; the demo (one file) on FSDP2, XLA FSDP and SPMD; the Trainer's clipping; exits."""
+
 from __future__ import annotations
 
 import json
@@ -61,7 +62,12 @@ def test_clip_on_an_unsharded_model_is_torchs(norm_type):
 
 @pytest.mark.parametrize(
     "max_norm, norm_type, fragment",
-    [("big", 2.0, "max_norm='big'"), (1.0, "fro", "norm_type='fro'"), (-1.0, 2.0, "max_norm=-1.0"), (1.0, 0, "norm_type=0.0")],
+    [
+        ("big", 2.0, "max_norm='big'"),
+        (1.0, "fro", "norm_type='fro'"),
+        (-1.0, 2.0, "max_norm=-1.0"),
+        (1.0, 0, "norm_type=0.0"),
+    ],
 )
 def test_clip_arguments_are_checked(max_norm, norm_type, fragment):
     with pytest.raises(ShardcoreError, match=re.escape(fragment)):
@@ -72,7 +78,9 @@ def test_clip_on_a_backend_without_it_is_a_clear_error():
     from backends_for_tests import PlainBackend
 
     model = shardcore.shard(nn.Linear(4, 4), {"auto_wrap_policy": "NO_WRAP"}, backend=PlainBackend())
-    with pytest.raises(ShardcoreError, match=r"'plain' backend does not implement gradient clipping.*clip_grad_norm_\(model"):
+    with pytest.raises(
+        ShardcoreError, match=r"'plain' backend does not implement gradient clipping.*clip_grad_norm_\(model"
+    ):
         shardcore.clip_grad_norm_(model, 1.0)
     with shardcore.no_sync(model):  # without the capability: gradients reduced every micro-batch
         pass
@@ -98,7 +106,9 @@ _ROW = re.compile(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.e+-]+)\s+([\d.]+)\s+(
 
 
 def _demo(cmd: list[str], env: dict, config: str | None) -> tuple[str, list[tuple[float, ...]]]:
-    args = [str(ROOT / "examples" / "demo.py"), "--steps", "4"] + (["--config", str(ROOT / "examples" / "configs" / config)] if config else [])
+    args = [str(ROOT / "examples" / "demo.py"), "--steps", "4"] + (
+        ["--config", str(ROOT / "examples" / "configs" / config)] if config else []
+    )
     out = subprocess.run(cmd + args, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     rows = [tuple(float(x) for x in r[1:]) for r in _ROW.findall(out.stdout)]
@@ -129,8 +139,14 @@ def test_demo_fails_on_a_parity_mismatch():
     """The demo's own check can fail: with a tolerance of 0 and accumulation over several ranks the
     sums differ in the last bits."""
     args = [str(ROOT / "examples" / "demo.py"), "--steps", "3", "--tolerance", "-1"]
-    out = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2"] + args,
-                         capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
+    out = subprocess.run(
+        [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2"] + args,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+        cwd=ROOT,
+    )
     assert out.returncode != 0 and "FAIL: the sharded run differs" in out.stdout
 
 
@@ -140,10 +156,17 @@ def test_clipping_and_accumulation_match_the_trainer(tmp_path):
     shardcore's loop on 2 FSDP2 ranks log the same loss and gradient norm at every step."""
     worker = str(Path(__file__).parent / "loop_worker.py")
     ref, got = tmp_path / "trainer.json", tmp_path / "shardcore.json"
-    out = subprocess.run([sys.executable, worker, "trainer", str(ref)], capture_output=True, text=True, timeout=300, env=_env())
+    out = subprocess.run(
+        [sys.executable, worker, "trainer", str(ref)], capture_output=True, text=True, timeout=300, env=_env()
+    )
     assert out.returncode == 0, out.stderr[-3000:]
-    out = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", worker, "shardcore", str(got)],
-                         capture_output=True, text=True, timeout=300, env=_env())
+    out = subprocess.run(
+        [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", worker, "shardcore", str(got)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     ref, got = json.loads(ref.read_text()), json.loads(got.read_text())
     assert len(ref["losses"]) == len(got["losses"]) == 4
@@ -174,8 +197,13 @@ def test_process_group_teardown_at_exit(tmp_path, owner, alive):
     can kill a finished rank with SIGABRT); a group the script created is the script's to destroy."""
     script = tmp_path / "exit_check.py"
     script.write_text(_EXIT_SCRIPT)
-    out = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(script), owner],
-                         capture_output=True, text=True, timeout=300, env=_env())
+    out = subprocess.run(
+        [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(script), owner],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     for r in (0, 1):
         assert f"rank {r} group alive at exit: {alive}" in out.stdout, out.stdout

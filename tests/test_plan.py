@@ -1,8 +1,8 @@
 """WrapPlan: policies, units, tied weights, errors, memory estimate, and the `shardcore plan` CLI."""
+
 import json
 
 import pytest
-import torch
 from torch import nn
 
 from shardcore import WrapPlanError, build_plan, estimate_memory, parse_config
@@ -32,7 +32,10 @@ def test_transformer_wrap_uses_no_split_modules_of_hf_model():
 def test_transformer_wrap_explicit_classes():
     p = plan(build_llama(), transformer_layer_cls_to_wrap="LlamaMLP,LlamaAttention")
     assert [u.path for u in p.units] == [
-        "model.layers.0.self_attn", "model.layers.0.mlp", "model.layers.1.self_attn", "model.layers.1.mlp",
+        "model.layers.0.self_attn",
+        "model.layers.0.mlp",
+        "model.layers.1.self_attn",
+        "model.layers.1.mlp",
     ]
 
 
@@ -49,8 +52,9 @@ def test_nested_units_are_listed_children_first():
 
 def test_size_based_wrap_matches_torch_policy():
     """Same units torch's own size_based_auto_wrap_policy picks."""
-    from torch.distributed.fsdp.wrap import _recursive_wrap, size_based_auto_wrap_policy
     import functools
+
+    from torch.distributed.fsdp.wrap import _recursive_wrap, size_based_auto_wrap_policy
 
     model = MLP()
     ours = [u.path for u in plan(model, auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=500).units]
@@ -60,8 +64,14 @@ def test_size_based_wrap_matches_torch_policy():
         picked.append(module)
         return module
 
-    _recursive_wrap(model, functools.partial(size_based_auto_wrap_policy, min_num_params=500), wrapper_cls,
-                    ignored_modules=set(), ignored_params=set(), only_wrap_children=True)
+    _recursive_wrap(
+        model,
+        functools.partial(size_based_auto_wrap_policy, min_num_params=500),
+        wrapper_cls,
+        ignored_modules=set(),
+        ignored_params=set(),
+        only_wrap_children=True,
+    )
     names = {id(m): n for n, m in model.named_modules()}
     assert ours == [names[id(m)] for m in picked]
     assert ours  # the case is not vacuous
@@ -111,11 +121,29 @@ def test_memory_estimate_counts_uneven_shards():
 def test_cli_plan_factory(tmp_path, capsys):
     cfg = tmp_path / "fsdp.json"
     cfg.write_text(json.dumps({"version": 2}))
-    assert cli_main(["plan", "--config", str(cfg), "--model", "shardcore_conformance.models:build_llama", "--world-size", "2"]) == 0
+    assert (
+        cli_main(
+            ["plan", "--config", str(cfg), "--model", "shardcore_conformance.models:build_llama", "--world-size", "2"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "model.layers.1" in out and "LlamaDecoderLayer" in out and "AdamW state" in out
-    assert cli_main(["plan", "--config", str(cfg), "--model", "shardcore_conformance.models:build_llama",
-                     "--world-size", "4", "--json"]) == 0
+    assert (
+        cli_main(
+            [
+                "plan",
+                "--config",
+                str(cfg),
+                "--model",
+                "shardcore_conformance.models:build_llama",
+                "--world-size",
+                "4",
+                "--json",
+            ]
+        )
+        == 0
+    )
     doc = json.loads(capsys.readouterr().out)
     est = estimate_memory(build_llama(), 4)
     assert doc["per_rank_bytes"]["total"] == est.total
@@ -127,7 +155,9 @@ def test_cli_plan_hf_config_dir(tmp_path, capsys):
 
     tiny_llama_config(num_hidden_layers=3).save_pretrained(tmp_path / "m")
     cfg = tmp_path / "a.yaml"
-    cfg.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n")
+    cfg.write_text(
+        "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n"
+    )
     assert cli_main(["plan", "--config", str(cfg), "--model", str(tmp_path / "m"), "--world-size", "2"]) == 0
     assert "model.layers.2" in capsys.readouterr().out
 

@@ -5,6 +5,7 @@ Two real gloo ranks train an MLP sharded by ``shardcore.shard``; the test kills 
 rank, well within the config's ``timeout``, instead of hanging. Also: a script-made process group
 that disagrees with the launcher's WORLD_SIZE is refused.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,7 +21,7 @@ import shardcore
 from shardcore_conformance.launch import free_port
 from shardcore_conformance.models import MLP
 
-WORKER = r'''
+WORKER = r"""
 import os, sys, time, torch
 import shardcore
 from shardcore_conformance.models import MLP
@@ -34,7 +35,7 @@ for step in range(100000):
     opt.zero_grad()
     print(f"step {step}", flush=True)
     time.sleep(0.02)
-'''
+"""
 
 
 def _start_ranks(tmp_path, timeout_s: float) -> list[subprocess.Popen]:
@@ -43,12 +44,24 @@ def _start_ranks(tmp_path, timeout_s: float) -> list[subprocess.Popen]:
     port = free_port()
     procs = []
     for rank in range(2):
-        env = dict(os.environ, USE_TORCH_XLA="0", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen(
-            [sys.executable, str(script), str(timeout_s)], env=env, text=True,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        ))
+        env = dict(
+            os.environ,
+            USE_TORCH_XLA="0",
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), str(timeout_s)],
+                env=env,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+        )
     return procs
 
 

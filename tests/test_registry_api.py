@@ -1,14 +1,18 @@
 """Backend registry, backend selection errors, and shard() checks that need no second process."""
+
 import subprocess
 import sys
 
 import pytest
 import torch
-from torch import nn
 
 import shardcore
 from shardcore import (
-    AlreadyShardedError, BackendNotFoundError, BackendUnavailableError, ShardConfigError, UnsupportedKeyError,
+    AlreadyShardedError,
+    BackendNotFoundError,
+    BackendUnavailableError,
+    ShardConfigError,
+    UnsupportedKeyError,
 )
 from shardcore_conformance.models import MLP, build_llama
 
@@ -130,7 +134,6 @@ def test_mixed_precision_computes_in_param_dtype():
 
 
 def test_reshard_after_forward_frees_gathered_params():
-    from torch.distributed.fsdp import FSDPModule
 
     def unit_is_sharded_after_forward(flag: bool) -> bool:
         model = shardcore.shard(MLP(), {"reshard_after_forward": flag})

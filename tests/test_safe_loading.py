@@ -1,5 +1,6 @@
 """Reading a checkpoint never runs code from it: DCP metadata is unpickled with an allow-list, and
 DCP's non-tensor entries are read with torch.load(weights_only=True)."""
+
 from __future__ import annotations
 
 import io
@@ -31,8 +32,10 @@ class _Evil:
 def test_real_dcp_metadata_reads_as_pickle_does(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    state = {"model": {"w": torch.ones(3, 2), "b": torch.zeros(2, dtype=torch.bfloat16)},
-             "optimizer": {"param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "name": "g"}], "step": torch.tensor(3)}}
+    state = {
+        "model": {"w": torch.ones(3, 2), "b": torch.zeros(2, dtype=torch.bfloat16)},
+        "optimizer": {"param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "name": "g"}], "step": torch.tensor(3)},
+    }
     dcp.save(state, checkpoint_id=str(tmp_path), no_dist=True)
     got = safe_dcp.reader(str(tmp_path)).read_metadata()
     with open(tmp_path / ".metadata", "rb") as f:
@@ -40,8 +43,10 @@ def test_real_dcp_metadata_reads_as_pickle_does(tmp_path):
     assert got.state_dict_metadata == want.state_dict_metadata
     assert got.storage_data == want.storage_data
     # and DCP loads through the safe reader and planner
-    out = {"model": {"w": torch.zeros(3, 2), "b": torch.ones(2, dtype=torch.bfloat16)},
-           "optimizer": {"param_groups": [{"lr": 0.0, "betas": (0.0, 0.0), "name": ""}], "step": torch.tensor(0)}}
+    out = {
+        "model": {"w": torch.zeros(3, 2), "b": torch.ones(2, dtype=torch.bfloat16)},
+        "optimizer": {"param_groups": [{"lr": 0.0, "betas": (0.0, 0.0), "name": ""}], "step": torch.tensor(0)},
+    }
     dcp.load(out, storage_reader=safe_dcp.reader(str(tmp_path)), planner=safe_dcp.planner(), no_dist=True)
     assert torch.equal(out["model"]["w"], state["model"]["w"]) and out["optimizer"]["param_groups"][0]["lr"] == 0.1
     assert out["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.99) and int(out["optimizer"]["step"]) == 3
@@ -72,8 +77,13 @@ def test_shardcore_load_of_a_malicious_sharded_checkpoint(tmp_path, kind):
     command in the checkpoint never runs (torch's own reader and planner would run it)."""
     marker = tmp_path / "ran"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    out = subprocess.run([sys.executable, str(WORKER), kind, str(tmp_path / "ckpt"), str(marker)],
-                         capture_output=True, text=True, timeout=300, env={**env, "USE_TORCH_XLA": "0"})
+    out = subprocess.run(
+        [sys.executable, str(WORKER), kind, str(tmp_path / "ckpt"), str(marker)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env, "USE_TORCH_XLA": "0"},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     error = json.loads(out.stdout.strip().splitlines()[-1])["error"]
     assert error and error["type"] == "CheckpointError", error

@@ -3,11 +3,12 @@ and FULL checkpoints shared with FSDP2 and single-device PyTorch.
 
 CPU PJRT devices are threads of one process (CPU_NUM_DEVICES); each run starts its own process.
 """
+
 import json
 import os
-from dataclasses import replace
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,11 @@ V2 = {"xla": True, "xla_fsdp_v2": True}
 
 
 def _xla_env(devices: int) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("USE_TORCH_XLA", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("USE_TORCH_XLA", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
     env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices))
     return env
 
@@ -66,17 +71,42 @@ def _xla_fsdp_cases() -> list:
     around), tied weights, frozen parameters, buffers, uneven shards, accumulation."""
     return [
         Case("xla-fsdp-mlp", "mlp", X),
-        Case("xla-fsdp-llama-attention-units", "llama", {**X, "auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 2000}),
-        Case("xla-fsdp-llama-attention-units-gc", "llama",
-             {**X, "auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 2000, "xla_fsdp_grad_ckpt": True}),
+        Case(
+            "xla-fsdp-llama-attention-units",
+            "llama",
+            {**X, "auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 2000},
+        ),
+        Case(
+            "xla-fsdp-llama-attention-units-gc",
+            "llama",
+            {**X, "auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 2000, "xla_fsdp_grad_ckpt": True},
+        ),
         Case("xla-fsdp-llama-gc-noreshard", "llama", {**X, "xla_fsdp_grad_ckpt": True, "reshard_after_forward": False}),
         Case("xla-fsdp-llama-mlp-units", "llama", {**X, "transformer_layer_cls_to_wrap": ["LlamaMLP", "Embedding"]}),
-        Case("xla-fsdp-llama-size-flat", "llama",
-             {**X, "auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 2000, "xla_fsdp_settings": {"flatten_parameters": True}}),
+        Case(
+            "xla-fsdp-llama-size-flat",
+            "llama",
+            {
+                **X,
+                "auto_wrap_policy": "SIZE_BASED_WRAP",
+                "min_num_params": 2000,
+                "xla_fsdp_settings": {"flatten_parameters": True},
+            },
+        ),
         Case("xla-fsdp-gpt2-tied", "gpt2", X),
-        Case("xla-fsdp-mlp-noreshard-dim0", "mlp", {**X, "reshard_after_forward": False, "xla_fsdp_settings": {"shard_param_on_dim_0": True}}),
+        Case(
+            "xla-fsdp-mlp-noreshard-dim0",
+            "mlp",
+            {**X, "reshard_after_forward": False, "xla_fsdp_settings": {"shard_param_on_dim_0": True}},
+        ),
         Case("xla-fsdp-llama-nowrap", "llama", {**X, "auto_wrap_policy": "NO_WRAP"}),
-        Case("xla-fsdp-llama-bf16", "llama", {**X, "xla_fsdp_settings": {"compute_dtype": "bfloat16"}}, dtype="bf16", lr=1e-3),
+        Case(
+            "xla-fsdp-llama-bf16",
+            "llama",
+            {**X, "xla_fsdp_settings": {"compute_dtype": "bfloat16"}},
+            dtype="bf16",
+            lr=1e-3,
+        ),
         Case("xla-fsdp-two-outputs", "mlp_two_outputs", X),
         Case("xla-fsdp-two-outputs-noreshard", "mlp_two_outputs", {**X, "reshard_after_forward": False}),
         Case("xla-fsdp-two-outputs-gc", "mlp_two_outputs", {**X, "xla_fsdp_grad_ckpt": True}),
@@ -97,10 +127,13 @@ def test_xla_fsdp_parity_on_cpu_devices(devices):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("case", [
-    Case("two-outputs", "mlp_two_outputs", X),
-    Case("two-outputs-gc", "mlp_two_outputs", {**X, "xla_fsdp_grad_ckpt": True}),
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case("two-outputs", "mlp_two_outputs", X),
+        Case("two-outputs-gc", "mlp_two_outputs", {**X, "xla_fsdp_grad_ckpt": True}),
+    ],
+)
 def test_unit_fixes_are_what_makes_two_output_units_train(case):
     """Without shardcore's fixes, a plain unit returning ``(out, w)`` (w an ancestor of out)
     trains with stale weights, or crashes under grad ckpt: torch_xla 2.9's bugs (unit_fix.py)."""
@@ -117,8 +150,13 @@ def test_cpu_runtime_settings_that_can_no_longer_change_are_clear_errors():
     env = _xla_env(4)
     env.pop("PJRT_CPU_ASYNC_CLIENT", None)
     env["XLA_THREAD_POOL_SIZE"] = "2"
-    out = subprocess.run([sys.executable, str(HERE / "xla_worker.py"), "spawn", "fsdp"], capture_output=True,
-                         text=True, timeout=120, env=env)
+    out = subprocess.run(
+        [sys.executable, str(HERE / "xla_worker.py"), "spawn", "fsdp"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     error = json.loads(out.stdout.strip().splitlines()[-1])["error"]
     assert error["type"] == "DistributedSetupError", error
@@ -133,8 +171,13 @@ def test_cyclic_garbage_does_not_split_the_step_graph():
     collector runs. Collected on device 0 and not yet on device 1, the two devices compiled different
     modules and XLA aborted the process at the first collective (op_ids of two modules); the step end
     collects before the devices sync."""
-    out = subprocess.run([sys.executable, str(HERE / "xla_worker.py"), "garbage", "fsdp"], capture_output=True,
-                         text=True, timeout=300, env=_xla_env(2))
+    out = subprocess.run(
+        [sys.executable, str(HERE / "xla_worker.py"), "garbage", "fsdp"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_xla_env(2),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     losses = json.loads(out.stdout.strip().splitlines()[-1])["losses"]
     assert len(losses) == 3 and all(l == l for l in losses) and losses[0] != losses[-1], losses
@@ -147,12 +190,18 @@ def test_an_output_with_a_recycled_id_still_gets_its_pre_backward_hook(backend, 
     threads interleave allocations, so devices hooked different outputs, traced different graphs and
     XLA aborted the process at a rendezvous (1 case in ~25 of the Llama cases on 2 devices; 0 in 450
     with the fix). With shardcore's fix the output is hooked; torch_xla's own class skips it."""
-    out = subprocess.run([sys.executable, str(HERE / "xla_worker.py"), "recycled", "fsdp", backend], capture_output=True,
-                         text=True, timeout=300, env=_xla_env(1))
+    out = subprocess.run(
+        [sys.executable, str(HERE / "xla_worker.py"), "recycled", "fsdp", backend],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_xla_env(1),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["collided"] and got["hooked_before"], got  # the situation was made
     assert got["hooked"] is hooked, got
+    assert got["hooks_on_returned_twice"] == 1, got  # an output an outer unit returns again is hooked once
 
 
 @pytest.mark.multiprocess
@@ -161,8 +210,13 @@ def test_item_counter_exists_before_device_threads_read_values():
     fallback of each op; two device threads reading their first loss (.item()) at once crashed the
     process now and then (a segfault in the map's lookup). shard() has torch_xla insert that counter
     while the other device threads wait, so the threads only ever look it up."""
-    out = subprocess.run([sys.executable, str(HERE / "xla_worker.py"), "fallbacks", "fsdp"], capture_output=True,
-                         text=True, timeout=300, env=_xla_env(2))
+    out = subprocess.run(
+        [sys.executable, str(HERE / "xla_worker.py"), "fallbacks", "fsdp"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_xla_env(2),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "aten::_local_scalar_dense" in json.loads(out.stdout.strip().splitlines()[-1])["fallbacks"]
 
@@ -178,7 +232,10 @@ def test_cpu_recipe_problems_and_settings():
     assert [p.split()[0] for p in cpu.problems(4, {**good, "XLA_THREAD_POOL_SIZE": "many"})] == ["XLA_THREAD_POOL_SIZE"]
     assert cpu_fsdp_kwargs(parse_config(X), {"x": 1}) == {"x": 1, "pin_layout_in_collective_ops": False}
     for name in ("pin_layout_in_collective_ops", "sync_on_finalization"):
-        assert cpu_fsdp_kwargs(parse_config({**X, "xla_fsdp_settings": {name: False}}), {})["pin_layout_in_collective_ops"] is False
+        assert (
+            cpu_fsdp_kwargs(parse_config({**X, "xla_fsdp_settings": {name: False}}), {})["pin_layout_in_collective_ops"]
+            is False
+        )
         with pytest.raises(ShardConfigError) as e:
             cpu_fsdp_kwargs(parse_config({**X, "xla_fsdp_settings": {name: True}}), {})
         assert e.value.key == f"xla_fsdp_settings.{name}" and "several CPU PJRT devices" in str(e.value)
@@ -242,7 +299,9 @@ def test_conformance_models_are_identical_in_racing_threads():
 @pytest.mark.multiprocess
 def test_broken_xla_variant_is_caught():
     """The suite catches a wrong XLA run: without the input sharding fix-up SPMD parity fails."""
-    result = run_suite([Case("xla-broken", "llama", V2)], "shardcore_xla.broken:NoLocalBatchScaling", world_size=2, case_timeout=300)
+    result = run_suite(
+        [Case("xla-broken", "llama", V2)], "shardcore_xla.broken:NoLocalBatchScaling", world_size=2, case_timeout=300
+    )
     assert not result.ok and "loss differs at step 0" in " ".join(result.verdicts[0].reasons)
 
 
@@ -252,8 +311,13 @@ def test_grad_ckpt_recomputes_units_in_backward(mode, devices):
     """xla_fsdp_grad_ckpt is honoured: a unit's submodule runs again in backward."""
     counts = {}
     for gc in ("0", "1"):
-        out = subprocess.run([sys.executable, str(HERE / "xla_worker.py"), "forwards", mode, gc], capture_output=True,
-                             text=True, timeout=300, env=_xla_env(devices))
+        out = subprocess.run(
+            [sys.executable, str(HERE / "xla_worker.py"), "forwards", mode, gc],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=_xla_env(devices),
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         counts[gc] = json.loads(out.stdout.strip().splitlines()[-1])["forwards"]
     assert counts == {"0": 1, "1": 2}
@@ -265,8 +329,13 @@ def test_grad_ckpt_recomputes_units_in_backward(mode, devices):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("mode, devices", [("spmd", 2), ("fsdp", 1), ("fsdp", 2)])
 def test_no_recompilation_after_warmup(mode, devices):
-    out = subprocess.run([sys.executable, str(HERE / "xla_worker.py"), "compile", mode, "6"], capture_output=True,
-                         text=True, timeout=300, env=_xla_env(devices))
+    out = subprocess.run(
+        [sys.executable, str(HERE / "xla_worker.py"), "compile", mode, "6"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_xla_env(devices),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     counts = json.loads(out.stdout.strip().splitlines()[-1])["compiles"]
     assert counts[0] > 0
@@ -282,8 +351,13 @@ def test_no_recompilation_after_warmup(mode, devices):
 def test_full_checkpoint_from_xla_loads_into_fsdp2_and_single_device(tmp_path, mode):
     from safetensors.torch import load_file
 
-    out = subprocess.run([sys.executable, str(HERE / "xla_worker.py"), "save", mode, str(tmp_path)], capture_output=True,
-                         text=True, timeout=300, env=_xla_env(2))
+    out = subprocess.run(
+        [sys.executable, str(HERE / "xla_worker.py"), "save", mode, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_xla_env(2),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     expected = load_file(str(tmp_path / "expected.safetensors"))
     plain = build_model("llama", 5)
@@ -309,8 +383,20 @@ def test_full_checkpoint_from_fsdp2_loads_into_xla(tmp_path, mode, devices):
     opt.step()
     shardcore.save(model, tmp_path / "ckpt")
     expected = shardcore.handle(model).backend.full_state_dict(model)
-    out = subprocess.run([sys.executable, str(HERE / "xla_worker.py"), "load", mode, str(tmp_path / "ckpt"), str(tmp_path / "got.safetensors")],
-                         capture_output=True, text=True, timeout=300, env=_xla_env(devices))
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(HERE / "xla_worker.py"),
+            "load",
+            mode,
+            str(tmp_path / "ckpt"),
+            str(tmp_path / "got.safetensors"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_xla_env(devices),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     got = load_file(str(tmp_path / "got.safetensors"))
     assert set(got) == set(expected)
@@ -329,8 +415,13 @@ def test_sharded_checkpoint_resumes_at_other_device_counts(tmp_path, mode):
     for devices in (2, 4, 1):
         out = tmp_path / f"{devices}dev"
         out.mkdir()
-        run = subprocess.run([sys.executable, str(HERE / "xla_worker.py"), "resume", mode, "SHARDED_STATE_DICT", previous, str(out)],
-                             capture_output=True, text=True, timeout=300, env=_xla_env(devices))
+        run = subprocess.run(
+            [sys.executable, str(HERE / "xla_worker.py"), "resume", mode, "SHARDED_STATE_DICT", previous, str(out)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=_xla_env(devices),
+        )
         assert run.returncode == 0, run.stderr[-3000:]
         if previous != "-":
             saved, loaded = load_file(str(saved_by_previous)), load_file(str(out / "loaded.safetensors"))
@@ -354,8 +445,13 @@ def test_cpu_ram_efficient_loading_reads_on_rank0_only(tmp_path, mode, devices):
     the files, the other device threads build the model on the meta device and receive every weight
     and buffer from it; SPMD's one process reads them once."""
     build_model("llama", 9).save_pretrained(tmp_path / "hf")
-    out = subprocess.run([sys.executable, str(HERE / "xla_worker.py"), "efficient", mode, str(tmp_path / "hf")],
-                         capture_output=True, text=True, timeout=300, env=_xla_env(devices))
+    out = subprocess.run(
+        [sys.executable, str(HERE / "xla_worker.py"), "efficient", mode, str(tmp_path / "hf")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_xla_env(devices),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["reads"] == [0], res
@@ -368,13 +464,31 @@ def test_sharded_checkpoint_of_one_xla_mode_is_refused_by_the_other(tmp_path):
     for mode, other in (("fsdp", "spmd"), ("spmd", "fsdp")):
         out = tmp_path / mode
         out.mkdir()
-        run = subprocess.run([sys.executable, str(HERE / "xla_worker.py"), "resume", mode, "SHARDED_STATE_DICT", "-", str(out)],
-                             capture_output=True, text=True, timeout=300, env=_xla_env(1))
+        run = subprocess.run(
+            [sys.executable, str(HERE / "xla_worker.py"), "resume", mode, "SHARDED_STATE_DICT", "-", str(out)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=_xla_env(1),
+        )
         assert run.returncode == 0, run.stderr[-3000:]
         again = tmp_path / f"{mode}-into-{other}"
         again.mkdir()
-        run = subprocess.run([sys.executable, str(HERE / "xla_worker.py"), "resume", other, "SHARDED_STATE_DICT", str(out / "ckpt"), str(again)],
-                             capture_output=True, text=True, timeout=300, env=_xla_env(1))
+        run = subprocess.run(
+            [
+                sys.executable,
+                str(HERE / "xla_worker.py"),
+                "resume",
+                other,
+                "SHARDED_STATE_DICT",
+                str(out / "ckpt"),
+                str(again),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=_xla_env(1),
+        )
         assert run.returncode != 0 and "shardcore.errors.CheckpointError" in run.stderr, run.stderr[-3000:]
         assert "FULL_STATE_DICT" in run.stderr.splitlines()[-1]
 
@@ -389,9 +503,17 @@ def _kwargs(**cfg):
 
 
 def test_settings_pass_through_with_trainer_conversions():
-    kw = _kwargs(xla_fsdp_settings={"compute_dtype": "bfloat16", "buffer_dtype": "float32", "flatten_parameters": True,
-                                    "shard_param_on_dim_0": True, "reduce_scatter_bucket_size_mb": 25,
-                                    "sharding_groups": [[0, 1]], "fp32_reduce_scatter": True})
+    kw = _kwargs(
+        xla_fsdp_settings={
+            "compute_dtype": "bfloat16",
+            "buffer_dtype": "float32",
+            "flatten_parameters": True,
+            "shard_param_on_dim_0": True,
+            "reduce_scatter_bucket_size_mb": 25,
+            "sharding_groups": [[0, 1]],
+            "fp32_reduce_scatter": True,
+        }
+    )
     assert kw["compute_dtype"] is torch.bfloat16 and kw["buffer_dtype"] is torch.float32
     assert kw["flatten_parameters"] is True and kw["reduce_scatter_bucket_size_mb"] == 25
     assert kw["sharding_groups"] == [[0, 1]] and kw["reshard_after_forward"] is True
@@ -403,10 +525,18 @@ def test_settings_pass_through_with_trainer_conversions():
 @pytest.mark.parametrize(
     "settings, key, fragment",
     [
-        ({"compute_dtpye": "bfloat16"}, "xla_fsdp_settings.compute_dtpye", "Did you mean 'xla_fsdp_settings.compute_dtype'"),
+        (
+            {"compute_dtpye": "bfloat16"},
+            "xla_fsdp_settings.compute_dtpye",
+            "Did you mean 'xla_fsdp_settings.compute_dtype'",
+        ),
         ({"compute_dtype": "bfloat17"}, "xla_fsdp_settings.compute_dtype", "not a dtype"),
         ({"flatten_parameters": "yes"}, "xla_fsdp_settings.flatten_parameters", "true or false"),
-        ({"reduce_scatter_bucket_size_mb": -1}, "xla_fsdp_settings.reduce_scatter_bucket_size_mb", "non-negative integer"),
+        (
+            {"reduce_scatter_bucket_size_mb": -1},
+            "xla_fsdp_settings.reduce_scatter_bucket_size_mb",
+            "non-negative integer",
+        ),
         ({"reduce_scatter_bucket_size_mb": 10**5000}, "xla_fsdp_settings.reduce_scatter_bucket_size_mb", "digits"),
         ({"flatten_parameters": [10**5000]}, "xla_fsdp_settings.flatten_parameters", "true or false"),
         ({"sharding_groups": [[0, "a"]]}, "xla_fsdp_settings.sharding_groups", "lists of device ordinals"),
@@ -460,7 +590,9 @@ def test_missing_torch_xla_names_the_install_command(monkeypatch):
     import shardcore_xla.backend as xb
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(xb.importlib.util, "find_spec", lambda name, *a: None if name == "torch_xla" else real(name, *a))
+    monkeypatch.setattr(
+        xb.importlib.util, "find_spec", lambda name, *a: None if name == "torch_xla" else real(name, *a)
+    )
     with pytest.raises(BackendUnavailableError, match=r"pip install torch==2\.9\.0 torch_xla==2\.9\.0"):
         shardcore.shard(build_model("mlp", 0), {"xla": True})
 

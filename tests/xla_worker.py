@@ -28,6 +28,7 @@ MODE is "spmd" (xla_fsdp_v2) or "fsdp" (XlaFullyShardedDataParallel). With "fsdp
 > 1 the command runs once per device thread (the backend's run_on_devices, i.e. xmp.spawn) and rank 0
 prints.
 """
+
 import functools
 import gc
 import json
@@ -37,6 +38,7 @@ import sys
 import torch
 import torch_xla  # noqa: F401  (initialise XLA before any CPU backward: see shared/xla-notes.md)
 from safetensors.torch import save_file
+
 # here, not in the device threads: Transformers' lazy module loading is not thread-safe
 from transformers import LlamaForCausalLM
 
@@ -74,8 +76,26 @@ def recycled_id(backend_name: str) -> dict:
         made.append(base * 4)
     second = made[-1]
     unit._register_pre_backward_hooks((base * 5, second))
+    # a unit's first output is hooked without asking the set; if its id is recycled too, the set
+    # must still know it, so that an outer unit returning it again does not hook it twice
+    dropped = base * 3
+    unit._register_pre_backward_hooks((base * 2, dropped))
+    stale_again = id(dropped)
+    del dropped
+    made = []
+    while len(made) < 100_000 and id(made[-1] if made else None) != stale_again:
+        made.append(base * 4)
+    first = made[-1]
+    unit._register_pre_backward_hooks((first,))
+    root = model
+    root._register_pre_backward_hooks((base * 8, first))
     loss.backward()  # ends the step: XLA FSDP clears the set
-    return {"collided": id(second) == stale, "hooked_before": hooked_before, "hooked": bool(second._backward_hooks)}
+    return {
+        "collided": id(second) == stale and id(first) == stale_again,
+        "hooked_before": hooked_before,
+        "hooked": bool(second._backward_hooks),
+        "hooks_on_returned_twice": len(first._backward_hooks),
+    }
 
 
 def dump(backend, model, opt, path: str, rank: int) -> None:
@@ -135,8 +155,18 @@ def efficient(mode: str, hf_dir: str, rank: int, emit) -> None:
             buffer_diff, buffers = max(buffer_diff, float((b.cpu() - plain[name]).abs().max())), buffers + 1
     worst = backend.all_reduce_sum(torch.tensor([buffer_diff, buffers]).to(backend.world().device)).cpu()
     backend.barrier()
-    emit(json.dumps({"reads": sorted(_READS), "param_diff": param_diff, "buffer_diff_sum": float(worst[0]),
-                     "buffers": int(worst[1]), "keys": len(want)}), flush=True)
+    emit(
+        json.dumps(
+            {
+                "reads": sorted(_READS),
+                "param_diff": param_diff,
+                "buffer_diff_sum": float(worst[0]),
+                "buffers": int(worst[1]),
+                "keys": len(want),
+            }
+        ),
+        flush=True,
+    )
 
 
 def main() -> None:

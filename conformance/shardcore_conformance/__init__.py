@@ -1,4 +1,5 @@
 """shardcore-conformance: prove a sharding backend trains to the same numbers as one device."""
+
 from .cases import Case, covered_keys, fsdp2_matrix, matrix_for, select
 from .compare import TOLERANCES, Tolerance, Verdict, compare
 from .report import write_report

@@ -1,7 +1,9 @@
 """Deliberately wrong backends, shipped so the suite can show that it catches real bugs."""
+
 from __future__ import annotations
 
 import torch
+
 from shardcore_fsdp2 import FSDP2Backend
 
 
@@ -40,7 +42,11 @@ class LocalNormClippingBackend(FSDP2Backend):
     def clip_grad_norm_(self, model, max_norm, norm_type):
         from torch.distributed.tensor import DTensor
 
-        local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters() if p.grad is not None]
+        local = [
+            p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            for p in model.parameters()
+            if p.grad is not None
+        ]
         total = torch.nn.utils.get_total_norm(local, norm_type)
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         for g in local:

@@ -14,9 +14,10 @@ keys gets fewer cases, and a key it does not declare is never set.
   buffers, uneven shards, gradient accumulation (through ``shardcore.no_sync``), a learning-rate
   schedule.
 - Capability cases run for every backend that declares the capability: gradient clipping
-  (``shardcore.backend.GradClipping``), crossed with the structural keys, ``inf`` norm, frozen and
+  (``shardcore.capabilities.GradClipping``), crossed with the structural keys, ``inf`` norm, frozen and
   unused parameters, accumulation, CPU offload and bf16.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -66,7 +67,9 @@ class Case:
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"case {self.name!r}: lr_schedule {self.lr_schedule!r}; known: {', '.join(LR_SCHEDULES)}")
         if self.grad_accum < 1 or self.global_batch % self.grad_accum:
-            raise ValueError(f"case {self.name!r}: global_batch {self.global_batch} is not a multiple of grad_accum {self.grad_accum}")
+            raise ValueError(
+                f"case {self.name!r}: global_batch {self.global_batch} is not a multiple of grad_accum {self.grad_accum}"
+            )
         object.__setattr__(self, "frozen", tuple(self.frozen))
         if not self.family:
             object.__setattr__(self, "family", self.model)
@@ -105,11 +108,13 @@ def supported_keys(backend: Any) -> frozenset[str]:
         import shardcore
 
         backend = shardcore.get_backend(backend)
-    return frozenset(getattr(backend, "supported_keys", frozenset()))
+    return frozenset(backend.supported_keys)
 
 
 def _wraps(model: str, keys: frozenset[str]) -> list[tuple[str, dict[str, Any]]]:
-    out: list[tuple[str, dict[str, Any]]] = [("transformer", {"auto_wrap_policy": "TRANSFORMER_BASED_WRAP"} if "auto_wrap_policy" in keys else {})]
+    out: list[tuple[str, dict[str, Any]]] = [
+        ("transformer", {"auto_wrap_policy": "TRANSFORMER_BASED_WRAP"} if "auto_wrap_policy" in keys else {})
+    ]
     if "auto_wrap_policy" not in keys:
         return out
     size = MODELS[model].size_wrap_min_params
@@ -131,31 +136,25 @@ def low_precision_knob(keys: frozenset[str]) -> dict[str, Any] | None:
 
 def matrix_for(backend: Any, world_size: int = 2, dtype: str | None = None) -> list[Case]:
     """The conformance cases for ``backend``: :func:`_matrix` less the combinations the backend
-    refuses (its optional ``validate(config)`` raises ShardConfigError, e.g. XLA's SPMD with
-    ``reshard_after_forward: false``) and the cases it says it cannot run at ``world_size`` on this
-    machine (its optional ``can_run(config, world_size)``, e.g. XLA FSDP on several CPU devices).
-    Each left-out case is logged with the backend's reason."""
+    refuses (ConfigValidation: its ``validate(config)`` raises ShardConfigError, e.g. XLA's SPMD
+    with ``reshard_after_forward: false``). Each left-out case is logged with the backend's reason.
+    ``backend``: a registered name or ``module:Class`` (loaded and checked), or an object, of which
+    the matrix reads only ``supported_keys`` and the capabilities it is an instance of."""
     import logging
 
     import shardcore
+    from shardcore.capabilities import ConfigValidation
 
     log = logging.getLogger(__name__)
     obj = shardcore.get_backend(backend) if isinstance(backend, str) else backend
-    validate = getattr(obj, "validate", None)
-    can_run = getattr(obj, "can_run", None)
     kept = []
     for c in _matrix(obj, world_size, dtype):
-        cfg = shardcore.parse_config(c.config)
-        try:
-            if validate is not None:
-                validate(cfg)
-        except shardcore.ShardConfigError as e:
-            log.info("left out: %s (the backend refuses the combination: %s)", c.name, e)
-            continue
-        reason = can_run(cfg, world_size) if can_run is not None else None
-        if reason:
-            log.info("not run here: %s (%s)", c.name, reason)
-            continue
+        if isinstance(obj, ConfigValidation):
+            try:
+                obj.validate(shardcore.parse_config(c.config))
+            except shardcore.ShardConfigError as e:
+                log.info("left out: %s (the backend refuses the combination: %s)", c.name, e)
+                continue
         kept.append(c)
     return kept
 
@@ -180,7 +179,9 @@ def _matrix(backend: Any, world_size: int = 2, dtype: str | None = None) -> list
 
     toggles = [(k, tag, default) for k, tag, default in _TOGGLES if k in keys]
     for model in STRUCTURAL_MODELS:
-        for (wrap, wcfg), values in itertools.product(_wraps(model, keys), itertools.product(*[(d, not d) for _, _, d in toggles])):
+        for (wrap, wcfg), values in itertools.product(
+            _wraps(model, keys), itertools.product(*[(d, not d) for _, _, d in toggles])
+        ):
             cfg = dict(wcfg)
             tags = [model, wrap]
             for (key, tag, _), v in zip(toggles, values):
@@ -203,7 +204,12 @@ def _matrix(backend: Any, world_size: int = 2, dtype: str | None = None) -> list
     if "state_dict_type" in keys:
         add("llama-sharded_state_dict", "llama", {"state_dict_type": "SHARDED_STATE_DICT"}, family="checkpoint")
         if "xla_fsdp_v2" in keys:  # the other XLA mode writes another format
-            add("llama-sharded_state_dict-v21", "llama", {"state_dict_type": "SHARDED_STATE_DICT", "xla_fsdp_v2": True}, family="checkpoint")
+            add(
+                "llama-sharded_state_dict-v21",
+                "llama",
+                {"state_dict_type": "SHARDED_STATE_DICT", "xla_fsdp_v2": True},
+                family="checkpoint",
+            )
     if "cpu_ram_efficient_loading" in keys:
         add("llama-cpu_ram_efficient_loading", "llama", {"cpu_ram_efficient_loading": True}, family="checkpoint")
     if "timeout" in keys:
@@ -250,24 +256,46 @@ def _matrix(backend: Any, world_size: int = 2, dtype: str | None = None) -> list
     out = list(fp32)
     if "mixed_precision" in keys:
         for model in STRUCTURAL_MODELS:
-            out.append(_low_precision(Case(f"{model}-mp-bf16", model, dict(base), global_batch=gb), {"mixed_precision": "bf16"}))
-        out.append(_low_precision(Case("llama-mp-bf16-reduce-fp32", "llama", dict(base), global_batch=gb),
-                                  {"mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}))
-        out.append(_low_precision(Case("frozen-llama-mp-bf16", "llama", dict(base), global_batch=gb, frozen=_FROZEN["llama"]),
-                                  {"mixed_precision": "bf16"}))
+            out.append(
+                _low_precision(
+                    Case(f"{model}-mp-bf16", model, dict(base), global_batch=gb), {"mixed_precision": "bf16"}
+                )
+            )
+        out.append(
+            _low_precision(
+                Case("llama-mp-bf16-reduce-fp32", "llama", dict(base), global_batch=gb),
+                {"mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"}},
+            )
+        )
+        out.append(
+            _low_precision(
+                Case("frozen-llama-mp-bf16", "llama", dict(base), global_batch=gb, frozen=_FROZEN["llama"]),
+                {"mixed_precision": "bf16"},
+            )
+        )
     if knob is not None and _clips(backend):
-        out.append(_low_precision(Case("clip-llama-bf16", "llama", dict(base), global_batch=gb, max_grad_norm=CLIP_NORM), knob, "clip-llama-bf16"))
+        out.append(
+            _low_precision(
+                Case("clip-llama-bf16", "llama", dict(base), global_batch=gb, max_grad_norm=CLIP_NORM),
+                knob,
+                "clip-llama-bf16",
+            )
+        )
     if "xla_fsdp_settings" in keys:
         for model in STRUCTURAL_MODELS:
-            out.append(_low_precision(Case(f"{model}-xla-bf16", model, dict(base), global_batch=gb),
-                                      {"xla_fsdp_settings": {"compute_dtype": "bfloat16"}}))
+            out.append(
+                _low_precision(
+                    Case(f"{model}-xla-bf16", model, dict(base), global_batch=gb),
+                    {"xla_fsdp_settings": {"compute_dtype": "bfloat16"}},
+                )
+            )
     return out
 
 
 def _clips(backend: Any) -> bool:
-    """Whether the backend declares gradient clipping (shardcore.backend.GradClipping)."""
+    """Whether the backend declares gradient clipping (shardcore.capabilities.GradClipping)."""
     import shardcore
-    from shardcore.backend import GradClipping
+    from shardcore.capabilities import GradClipping
 
     return isinstance(shardcore.get_backend(backend) if isinstance(backend, str) else backend, GradClipping)
 
@@ -284,7 +312,13 @@ def _clipping_cases(add: Any, keys: frozenset[str]) -> None:
     add("clip-llama-inf", "llama", {}, max_grad_norm=CLIP_NORM / 10, norm_type=float("inf"), family="clipping")
     for key, tag, default in _TOGGLES:
         if key in keys:
-            add(f"clip-llama-{tag}{int(not default)}", "llama", {key: not default}, max_grad_norm=CLIP_NORM, family="clipping")
+            add(
+                f"clip-llama-{tag}{int(not default)}",
+                "llama",
+                {key: not default},
+                max_grad_norm=CLIP_NORM,
+                family="clipping",
+            )
     if "auto_wrap_policy" in keys:
         add("clip-llama-nowrap", "llama", {"auto_wrap_policy": "NO_WRAP"}, max_grad_norm=CLIP_NORM, family="clipping")
     add("clip-frozen-llama", "llama", {}, frozen=_FROZEN["llama"], max_grad_norm=CLIP_NORM, family="clipping")
@@ -298,7 +332,9 @@ def _low_precision(case: Case, knob: dict[str, Any], name: str | None = None) ->
     """``case`` computing in bf16 through ``knob``; a bf16 one-off (no ``name``) is in the family
     of its knob, a case of the all-bf16 matrix stays in its own family."""
     family = case.family if name else ("mixed_precision" if "mixed_precision" in knob else "xla_compute_dtype")
-    return replace(case, name=name or case.name, config={**case.config, **knob}, dtype="bf16", lr=LOW_PRECISION_LR, family=family)
+    return replace(
+        case, name=name or case.name, config={**case.config, **knob}, dtype="bf16", lr=LOW_PRECISION_LR, family=family
+    )
 
 
 def fsdp2_matrix(world_size: int = 2) -> list[Case]:

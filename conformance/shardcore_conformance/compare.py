@@ -1,4 +1,5 @@
 """Compare a sharded run with the single-device reference. Tolerances live here and nowhere else."""
+
 from __future__ import annotations
 
 import math
@@ -97,10 +98,16 @@ def compare(case: str, ref: dict[str, Any], got: dict[str, Any], dtype: str = "f
             )
             break
     if len(ref.get("clip_norms", [])) != len(got.get("clip_norms", [])):
-        _fail(v, f"clipping norms: reference reported {len(ref.get('clip_norms', []))}, sharded {len(got.get('clip_norms', []))}")
+        _fail(
+            v,
+            f"clipping norms: reference reported {len(ref.get('clip_norms', []))}, sharded {len(got.get('clip_norms', []))}",
+        )
     for i, (a, b) in enumerate(zip(ref.get("lrs", []), got.get("lrs", []))):
         if not math.isclose(a, b, rel_tol=1e-12, abs_tol=0.0):
-            _fail(v, f"learning rate differs at step {i}: reference {a:.9g}, sharded {b:.9g}; the schedule must see the same optimizer steps")
+            _fail(
+                v,
+                f"learning rate differs at step {i}: reference {a:.9g}, sharded {b:.9g}; the schedule must see the same optimizer steps",
+            )
             break
     rp, gp = ref["params"], got["params"]
     missing, extra = sorted(set(rp) - set(gp)), sorted(set(gp) - set(rp))
@@ -121,7 +128,10 @@ def compare(case: str, ref: dict[str, Any], got: dict[str, Any], dtype: str = "f
     for k in ref.get("frozen", []):
         d = _max_abs(rp[k], gp[k])
         if not d == 0.0:
-            _fail(v, f"frozen parameter {k} (requires_grad=False) changed: differs from the reference by {d:.3g}; it must not be updated")
+            _fail(
+                v,
+                f"frozen parameter {k} (requires_grad=False) changed: differs from the reference by {d:.3g}; it must not be updated",
+            )
             break
     ck = got.get("checkpoint")
     if ck is not None:
@@ -135,11 +145,17 @@ def _compare_checkpoint(v: Verdict, tol: Tolerance, ref: dict[str, Any], ck: dic
     v.checkpoint_param_diff = max(diffs) if diffs else math.nan
     fresh, reload = ck.get("fresh_param_diff"), ck.get("reload_param_diff")
     if fresh is not None and not fresh <= tol.checkpoint_atol:
-        _fail(v, f"checkpoint round trip ({v.checkpoint_method}): a fresh single-device model loaded from the FULL "
-                 f"checkpoint differs from the sharded model's full state dict by {fresh:.3g}")
+        _fail(
+            v,
+            f"checkpoint round trip ({v.checkpoint_method}): a fresh single-device model loaded from the FULL "
+            f"checkpoint differs from the sharded model's full state dict by {fresh:.3g}",
+        )
     if reload is not None and not reload <= tol.checkpoint_atol:
-        _fail(v, f"checkpoint round trip ({v.checkpoint_method}): the sharded model loaded from its own checkpoint "
-                 f"differs from its state before saving by {reload:.3g}")
+        _fail(
+            v,
+            f"checkpoint round trip ({v.checkpoint_method}): the sharded model loaded from its own checkpoint "
+            f"differs from its state before saving by {reload:.3g}",
+        )
     if "probe" in ck and "probe" in ref:
         a, b = ref["probe"], ck["probe"]
         if tuple(a.shape) != tuple(b.shape):
@@ -147,8 +163,11 @@ def _compare_checkpoint(v: Verdict, tol: Tolerance, ref: dict[str, Any], ck: dic
             return
         v.max_output_diff = _max_abs(a, b)
         if not v.max_output_diff <= tol.output_atol:
-            _fail(v, f"checkpoint round trip: outputs of the model loaded from the checkpoint differ from the "
-                     f"reference's by {v.max_output_diff:.3g} (tolerance {tol.output_atol:g})")
+            _fail(
+                v,
+                f"checkpoint round trip: outputs of the model loaded from the checkpoint differ from the "
+                f"reference's by {v.max_output_diff:.3g} (tolerance {tol.output_atol:g})",
+            )
 
 
 def _max_abs(a, b) -> float:

@@ -4,6 +4,7 @@ One process group serves many cases (start-up dominates on small CPUs). Each ran
 case it is in; if a case fails or overruns its deadline, the whole group is killed, that case is
 recorded as an error, and the remaining cases run in a fresh group. Nothing can block forever.
 """
+
 from __future__ import annotations
 
 import functools
@@ -21,7 +22,7 @@ import torch
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
-from shardcore.backend import LaunchSpec
+from shardcore.capabilities import DeviceLaunch, LaunchSpec
 
 from .cases import Case
 
@@ -34,10 +35,9 @@ def launch_spec(backend: str | None, case: Case, world_size: int) -> LaunchSpec:
     import shardcore
 
     b = shardcore.get_backend(backend)
-    spec = getattr(b, "launch_spec", None)
-    if spec is None:
+    if not isinstance(b, DeviceLaunch):
         return LaunchSpec(world_size)
-    return spec(shardcore.parse_config(case.config), world_size)
+    return b.launch_spec(shardcore.parse_config(case.config), world_size)
 
 
 def free_port() -> int:
@@ -46,7 +46,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, nprocs: int, per_device: bool, world_size: int, port: int, cases: list[dict], backend: str | None, out_dir: str, env: dict[str, str]) -> None:
+def _worker(
+    rank: int,
+    nprocs: int,
+    per_device: bool,
+    world_size: int,
+    port: int,
+    cases: list[dict],
+    backend: str | None,
+    out_dir: str,
+    env: dict[str, str],
+) -> None:
     os.environ.update(env)
     if backend is None or "xla" not in backend:
         # Transformers imports torch_xla whenever it is installed unless told not to (its own advice
@@ -54,8 +64,12 @@ def _worker(rank: int, nprocs: int, per_device: bool, world_size: int, port: int
         os.environ.setdefault("USE_TORCH_XLA", "0")
     if nprocs > 1:
         os.environ.update(
-            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
         )
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -68,7 +82,9 @@ def _worker(rank: int, nprocs: int, per_device: bool, world_size: int, port: int
         # built here, before any device thread exists: seeding inside device threads races (models.py)
         initial = initial_states({(c["model"], c["seed"] + k) for c in cases for k in (0, 1)})
         # a partial of a module-level function pickles, for launchers that start processes per device
-        run_on_devices(functools.partial(_run_cases_here, cases=cases, backend=backend, out=Path(out_dir), initial=initial))
+        run_on_devices(
+            functools.partial(_run_cases_here, cases=cases, backend=backend, out=Path(out_dir), initial=initial)
+        )
     else:
         _run_cases_here(rank, cases, backend, Path(out_dir))
 
@@ -111,11 +127,24 @@ def run_cases(
         groups.setdefault((spec.group, spec.processes, spec.per_device, tuple(sorted(spec.env.items()))), []).append(c)
     results: dict[str, dict[str, Any]] = {}
     for (_, nprocs, per_device, spec_env), group in groups.items():
-        results.update(_run_group(group, backend, world_size, nprocs, per_device, {**dict(spec_env), **(env or {})}, case_timeout, on_case_done))
+        results.update(
+            _run_group(
+                group,
+                backend,
+                world_size,
+                nprocs,
+                per_device,
+                {**dict(spec_env), **(env or {})},
+                case_timeout,
+                on_case_done,
+            )
+        )
     return results
 
 
-def _run_group(cases, backend, world_size, nprocs, per_device, env, case_timeout, on_case_done) -> dict[str, dict[str, Any]]:
+def _run_group(
+    cases, backend, world_size, nprocs, per_device, env, case_timeout, on_case_done
+) -> dict[str, dict[str, Any]]:
     results: dict[str, dict[str, Any]] = {}
     pending = list(cases)
     with tempfile.TemporaryDirectory(prefix="shardcore-conf-") as tmp:
@@ -123,7 +152,16 @@ def _run_group(cases, backend, world_size, nprocs, per_device, env, case_timeout
             out = Path(tempfile.mkdtemp(dir=tmp))
             ctx = mp.start_processes(
                 _worker,
-                args=(nprocs, per_device, world_size, free_port(), [c.to_dict() for c in pending], backend, str(out), env),
+                args=(
+                    nprocs,
+                    per_device,
+                    world_size,
+                    free_port(),
+                    [c.to_dict() for c in pending],
+                    backend,
+                    str(out),
+                    env,
+                ),
                 nprocs=nprocs,
                 join=False,
                 start_method="spawn",
@@ -180,7 +218,10 @@ def _wait(ctx, out: Path, nprocs: int, case_timeout: float, pending: list[Case])
             errs = sorted(out.glob(f"{name}.error.*"), key=lambda p: p.stat().st_mtime_ns)
             detail = errs[0].read_text() if errs else str(e)
             _kill(ctx)
-            return name, f"worker failed in case {name}: {detail.strip().splitlines()[-1] if detail.strip() else e}\n{detail}"
+            return (
+                name,
+                f"worker failed in case {name}: {detail.strip().splitlines()[-1] if detail.strip() else e}\n{detail}",
+            )
         name, t = _current_case(out, nprocs)
         errs = sorted(out.glob("*.error.*"), key=lambda p: p.stat().st_mtime_ns)
         if errs and time.time() - errs[0].stat().st_mtime > 2.0:

@@ -7,10 +7,10 @@ whose weight and bias have a single row, so every rank but the first holds an em
 Every model is built from a seed on the CPU; the Hugging Face models are built from configs (no
 download), with dropout off so that the sharded run and the reference see the same function.
 """
+
 from __future__ import annotations
 
 import threading
-
 from dataclasses import dataclass
 from typing import Callable
 
@@ -128,14 +128,39 @@ class TwoOutputMLP(nn.Module):
 # rotary positions (a non-persistent buffer), untied head. GPT-2: tied input and output embeddings
 # (``lm_head.weight is transformer.wte.weight``), learned positions, fused QKV ``Conv1D``; dropout off.
 _TINY_HF = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
-        vocab_size=97, hidden_size=32, intermediate_size=56, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, attn_implementation="eager",
-    )),
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(
-        vocab_size=97, n_positions=32, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, tie_word_embeddings=True, attn_implementation="eager",
-    )),
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            vocab_size=97,
+            hidden_size=32,
+            intermediate_size=56,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+            attn_implementation="eager",
+        ),
+    ),
+    "gpt2": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        dict(
+            vocab_size=97,
+            n_positions=32,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+            tie_word_embeddings=True,
+            attn_implementation="eager",
+        ),
+    ),
 }
 
 
@@ -253,7 +278,12 @@ def make_batches(name: str, steps: int, global_batch: int, seed: int) -> list[di
     out = []
     for _ in range(steps):
         if s.kind == "regression":
-            out.append({"x": torch.randn(global_batch, s.d_in, generator=g), "y": torch.randn(global_batch, s.d_out, generator=g)})
+            out.append(
+                {
+                    "x": torch.randn(global_batch, s.d_in, generator=g),
+                    "y": torch.randn(global_batch, s.d_out, generator=g),
+                }
+            )
         else:
             ids = torch.randint(0, s.vocab, (global_batch, s.seq_len), generator=g)
             out.append({"input_ids": ids, "labels": ids.clone()})

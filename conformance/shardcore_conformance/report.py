@@ -1,6 +1,7 @@
 """The conformance report: ``report.json`` (every case, its numbers and verdict), ``report.md`` (the
 tables a person reads) and PNG plots of the loss curves, sharded over reference, with the per-step
 difference against its tolerance (``plots/loss-<family>.png``, one figure per case family)."""
+
 from __future__ import annotations
 
 import json
@@ -90,13 +91,18 @@ def write_report(result: "SuiteResult", cases: list[Case], out: Path, plots: boo
     families = family_summary(result, cases)
     plot_files = _plots(result, cases, out) if plots else []
     passed = sum(v.ok for v in result.verdicts)
+    xfail = lambda vs: [
+        {"case": v.case, "expected_because": result.expected_failures[v.case], "reasons": v.reasons} for v in vs
+    ]  # noqa: E731
     doc = {
         "backend": result.backend,
         "world_size": result.world_size,
         "device_type": result.device_type,
         "ok": result.ok,
         "passed": passed,
-        "failed": len(result.verdicts) - passed,
+        "failed": len(result.failures()),
+        "expected_failures": xfail(result.expected()),
+        "unexpected_passes": xfail(result.unexpected_passes()),
         "seconds": round(result.seconds, 1),
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -121,16 +127,26 @@ def _g(x: float) -> str:
 def _markdown(result, families, coverage, uncovered, plot_files, out: Path) -> str:
     n, passed = len(result.verdicts), sum(v.ok for v in result.verdicts)
     dev = f", device type {result.device_type}" if result.device_type else ""
+    expected = f", {len(result.expected())} expected failures" if result.expected() else ""
     lines = [
         f"# shardcore conformance: backend `{result.backend}`, world size {result.world_size}{dev}",
         "",
-        f"**{'PASS' if result.ok else 'FAIL'}**: {passed}/{n} cases passed in {result.seconds:.0f}s.",
+        f"**{'PASS' if result.ok else 'FAIL'}**: {passed}/{n} cases passed{expected} in {result.seconds:.0f}s.",
         "",
     ]
     if not result.ok:
         lines += ["## Failures", ""]
         for v in result.failures():
             lines.append(f"- `{v.case}`: " + "; ".join(v.reasons))
+        lines.append("")
+    if result.expected() or result.unexpected_passes():
+        lines += ["## Expected failures (declared with --xfails; they do not fail the run)", ""]
+        for v in result.expected():
+            lines.append(f"- `{v.case}` (expected: {result.expected_failures[v.case]}): " + "; ".join(v.reasons))
+        for v in result.unexpected_passes():
+            lines.append(
+                f"- `{v.case}` passed although expected to fail ({result.expected_failures[v.case]}): drop the entry"
+            )
         lines.append("")
     lines += [
         "## Per family (largest difference over its cases)",
@@ -150,8 +166,9 @@ def _markdown(result, families, coverage, uncovered, plot_files, out: Path) -> s
     dtypes = {c.name: c.dtype for c in result.cases}
     for v in result.verdicts:
         notes = "; ".join(v.reasons).replace("|", "\\|")
+        shown = "pass" if v.ok else "expected fail" if v.case in result.expected_failures else "**FAIL**"
         lines.append(
-            f"| {v.case} | {dtypes.get(v.case, '')} | {'pass' if v.ok else '**FAIL**'} | {_g(v.max_loss_diff)} | "
+            f"| {v.case} | {dtypes.get(v.case, '')} | {shown} | {_g(v.max_loss_diff)} | "
             f"{_g(v.max_grad_norm_rel_diff)} | {_g(v.max_param_diff)} | {_g(v.max_output_diff)} | "
             f"{_g(v.checkpoint_param_diff)} | {notes} |"
         )
@@ -178,10 +195,19 @@ def _markdown(result, families, coverage, uncovered, plot_files, out: Path) -> s
         shown = ", ".join(names[:6]) + (f" (+{len(names) - 6})" if len(names) > 6 else "")
         lines.append(f"| `{k}` | {shown or '**none**'} |")
     if uncovered:
-        lines += ["", f"The backend declares {', '.join(uncovered)} but no case sets them (the suite has no dimension for them)."]
+        lines += [
+            "",
+            f"The backend declares {', '.join(uncovered)} but no case sets them (the suite has no dimension for them).",
+        ]
     if plot_files:
-        lines += ["", "## Loss curves", "", "Top: loss per step, reference (line) and sharded (dots). Bottom: |sharded - reference| per step "
-                  "(an exact match is drawn at 1e-12) and the tolerance (dashed).", ""]
+        lines += [
+            "",
+            "## Loss curves",
+            "",
+            "Top: loss per step, reference (line) and sharded (dots). Bottom: |sharded - reference| per step "
+            "(an exact match is drawn at 1e-12) and the tolerance (dashed).",
+            "",
+        ]
         for p in plot_files:
             lines.append(f"![{p.stem}]({p.relative_to(out).as_posix()})")
     return "\n".join(lines) + "\n"
@@ -242,6 +268,8 @@ def _plot_case(top, bottom, c: Case, ref: dict[str, Any], got: dict[str, Any], v
     tol = TOLERANCES[c.dtype]
     diff = [max(abs(a - b), 1e-12) for a, b in zip(rl, gl)]
     bottom.semilogy(steps, diff, "o-", color=color, ms=3, lw=1, label="|diff|")
-    bottom.semilogy(steps, [tol.loss_atol + tol.loss_rtol * abs(a) for a in rl], "--", color="gray", lw=1, label="tolerance")
+    bottom.semilogy(
+        steps, [tol.loss_atol + tol.loss_rtol * abs(a) for a in rl], "--", color="gray", lw=1, label="tolerance"
+    )
     bottom.set_xlabel("step", fontsize=6)
     bottom.legend(fontsize=6)

@@ -10,6 +10,7 @@ After training, the sharded run's FULL checkpoint goes round trip: through ``sha
 ``full_state_dict`` written to a safetensors file; either way it is loaded into a fresh
 single-device model, whose outputs on a probe batch are compared with the reference's.
 """
+
 from __future__ import annotations
 
 import copy
@@ -24,6 +25,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from shardcore.capabilities import GlobalGradSquares, StepEnd
 
 from .cases import Case
 from .models import build_model, forward_output, loss_fn, make_batches, probe_batch
@@ -77,11 +80,10 @@ def local_grad_sq_sum(model: nn.Module) -> torch.Tensor:
 
 def global_grad_sq_sum(runtime: Any, model: nn.Module, device: Any) -> torch.Tensor:
     """Sum of squared gradient entries over the whole model. A backend whose ranks do not hold
-    disjoint shards (replication, hybrid sharding) says so by defining ``grad_sq_sum(model)``, a
-    collective returning the global sum; otherwise each rank's own entries are summed over ranks."""
-    own = getattr(runtime, "grad_sq_sum", None)
-    if own is not None:
-        return own(model)
+    disjoint shards (replication, hybrid sharding) computes it itself (GlobalGradSquares);
+    otherwise each rank's own entries are summed over ranks."""
+    if isinstance(runtime, GlobalGradSquares):
+        return runtime.grad_sq_sum(model)
     return runtime.all_reduce_sum(local_grad_sq_sum(model).to(device))
 
 
@@ -133,7 +135,7 @@ def run_case(case: Case, backend: Any | None) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=case.lr, weight_decay=0.01, eps=ADAM_EPS)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(case.lr_schedule, s, case.steps))
     compute_dtype = _reference_compute_dtype(case) if backend is None else None
-    step_end = getattr(runtime, "step_end", None)  # lazy-tensor backends cut the step's graph here
+    step_end = runtime.step_end if isinstance(runtime, StepEnd) else None  # lazy tensors: cut the step's graph
     losses, grad_norms, clip_norms, lrs = [], [], [], []
     for batch in make_batches(case.model, case.steps, case.global_batch, case.seed):
         step_loss = None
@@ -203,7 +205,9 @@ def _note_progress(case: Case, backend: Any, runtime: Any, seconds: float) -> No
     path = os.environ.get(PROGRESS_ENV)
     if not path or (backend is not None and runtime.world().rank != 0):
         return
-    line = json.dumps({"side": "reference" if backend is None else str(backend), "case": case.name, "seconds": round(seconds, 2)})
+    line = json.dumps(
+        {"side": "reference" if backend is None else str(backend), "case": case.name, "seconds": round(seconds, 2)}
+    )
     with open(path, "a") as f:
         f.write(line + "\n")
 
@@ -218,11 +222,15 @@ def _micro_batches(batch: dict[str, torch.Tensor], n: int) -> list[dict[str, tor
 def _scratch_dir(case: Case) -> Path:
     """A directory every rank of this run sees: the suite's scratch directory (set for all workers),
     else one named after this process group's port."""
-    root = os.environ.get(SCRATCH_ENV) or os.path.join(tempfile.gettempdir(), f"shardcore-conformance-{os.environ.get('MASTER_PORT', os.getpid())}")
+    root = os.environ.get(SCRATCH_ENV) or os.path.join(
+        tempfile.gettempdir(), f"shardcore-conformance-{os.environ.get('MASTER_PORT', os.getpid())}"
+    )
     return Path(root) / case.name
 
 
-def checkpoint_round_trip(case: Case, model: nn.Module, runtime: Any, state: dict[str, Any], probe, step_end=None) -> dict[str, Any]:
+def checkpoint_round_trip(
+    case: Case, model: nn.Module, runtime: Any, state: dict[str, Any], probe, step_end=None
+) -> dict[str, Any]:
     """Save the sharded model's FULL checkpoint, load it into a fresh single-device model (rank 0)
     and report how far its state is from ``state`` (the sharded model's own full state dict) and
     its outputs on ``probe``. With ``shardcore.save``/``load``, the checkpoint is also loaded back
@@ -248,7 +256,9 @@ def checkpoint_round_trip(case: Case, model: nn.Module, runtime: Any, state: dic
         if rank == 0:
             out["reload_param_diff"] = _max_diff(state, again)
     out["method"] = (f"shardcore.save/load {kind} (reload into the sharded model); " if use_api else "") + (
-        "shardcore.load into a fresh single-device model" if fresh_via_api else "full_state_dict -> safetensors -> fresh single-device model"
+        "shardcore.load into a fresh single-device model"
+        if fresh_via_api
+        else "full_state_dict -> safetensors -> fresh single-device model"
     )
     if rank != 0:
         return out

@@ -1,4 +1,5 @@
 """shardcore backend for PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``)."""
+
 from .backend import FSDP2Backend
 
 __all__ = ["FSDP2Backend"]

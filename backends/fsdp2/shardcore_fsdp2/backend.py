@@ -4,6 +4,7 @@ NCCL on CUDA, gloo on CPU. The shape follows torchtitan's ``parallelize_llama``:
 checkpointing is applied to a unit before it is sharded, and one set of ``fully_shard`` keyword
 arguments is used for every unit.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardcore import safe_dcp
+from shardcore.capabilities import GradClipping, GradSyncControl, ShardedCheckpoints
 from shardcore.config import ShardConfig
 from shardcore.distributed import TorchDistributedRuntime, ensure_process_group
 from shardcore.plan import WrapPlan
@@ -23,7 +25,7 @@ from shardcore.plan import WrapPlan
 log = logging.getLogger(__name__)
 
 
-class FSDP2Backend(TorchDistributedRuntime):
+class FSDP2Backend(TorchDistributedRuntime, ShardedCheckpoints, GradClipping, GradSyncControl):
     """world/barrier/all_reduce_sum/broadcast_object/local_batch come from TorchDistributedRuntime."""
 
     name = "fsdp2"
@@ -68,7 +70,9 @@ class FSDP2Backend(TorchDistributedRuntime):
         if config.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
         # cpu_ram_efficient_loading: shard on the meta device, then broadcast rank 0's weights
-        from_rank0 = _take_rank0_weights(model) if config.cpu_ram_efficient_loading and dist.get_world_size() > 1 else None
+        from_rank0 = (
+            _take_rank0_weights(model) if config.cpu_ram_efficient_loading and dist.get_world_size() > 1 else None
+        )
         for unit in plan.modules(model):
             if config.activation_checkpointing:
                 checkpoint_forward(unit)
@@ -91,18 +95,26 @@ class FSDP2Backend(TorchDistributedRuntime):
         # model gets new tensors assigned, one per name, which unties tied weights: tie them again
         # to the parameter FSDP2 manages (the first holder, in module order).
         ties = _param_sites(model)
-        set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        set_model_state_dict(
+            model, state_dict, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        )
         _retie(ties)
 
     def full_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return get_optimizer_state_dict(
+            model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
 
-    def load_full_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, osd: dict[str, Any]) -> None:
+    def load_full_optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, osd: dict[str, Any]
+    ) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        set_optimizer_state_dict(model, optimizer, osd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        set_optimizer_state_dict(
+            model, optimizer, osd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        )
 
     def save_sharded_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str) -> None:
         import torch.distributed.checkpoint as dcp
@@ -194,7 +206,10 @@ def _take_rank0_weights(model: nn.Module) -> tuple[dict[str, Any], dict[str, tor
     from shardcore.errors import ShardConfigError
 
     rank = dist.get_rank()
-    tensors = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    tensors = {
+        **dict(model.named_parameters(remove_duplicate=False)),
+        **dict(model.named_buffers(remove_duplicate=False)),
+    }
     layout = {k: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for k, t in tensors.items()}
     rank0_meta = any(t.is_meta for t in tensors.values())
     box = [(rank0_meta, layout)]
@@ -235,7 +250,9 @@ def _take_rank0_weights(model: nn.Module) -> tuple[dict[str, Any], dict[str, tor
                 want = None if t is None else getattr(torch, rank0_layout[f"{prefix}.{name}" if prefix else name][1])
                 if want is not None and t.dtype != want:
                     new = torch.empty_like(t, dtype=want)
-                    slot[name] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
+                    slot[name] = (
+                        nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
+                    )
     _retie(ties)  # .to() gives each module its own new Parameter
     return state, buffers
 

@@ -2,6 +2,7 @@
 
 Importing this package does not import torch_xla; that happens when the backend is used.
 """
+
 from .backend import XLABackend
 
 __all__ = ["XLABackend"]

@@ -12,6 +12,7 @@
 The wrapping decision is the plan's: torch_xla's own auto-wrap machinery is handed a policy that says
 yes exactly to the plan's unit modules.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,8 +27,20 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from shardcore.backend import LaunchSpec, World
-from shardcore.config import ShardConfig, _dtype_name, _show
+from shardcore.backend import World
+from shardcore.capabilities import (
+    CompileCounter,
+    ConfigValidation,
+    DeviceLaunch,
+    GradClipping,
+    GradSyncControl,
+    Launcher,
+    LaunchSpec,
+    RenamesParameters,
+    ShardedCheckpoints,
+    StepEnd,
+)
+from shardcore.config import ShardConfig, dtype_name, show_value
 from shardcore.errors import CheckpointError, DistributedSetupError, ShardConfigError, ShardcoreError, UnknownKeyError
 from shardcore.plan import WrapPlan
 
@@ -43,7 +56,17 @@ _NOT_FROM_CONFIG = {"param_init_fn"}
 _DTYPE_SETTINGS = {"compute_dtype", "buffer_dtype"}
 
 
-class XLABackend:
+class XLABackend(
+    ShardedCheckpoints,
+    StepEnd,
+    GradClipping,
+    GradSyncControl,
+    Launcher,
+    DeviceLaunch,
+    ConfigValidation,
+    CompileCounter,
+    RenamesParameters,
+):
     name = "xla"
     install_hint = "pip install torch==2.9.0 torch_xla==2.9.0 && pip install -e backends/xla"
     supported_keys = frozenset(
@@ -78,16 +101,10 @@ class XLABackend:
 
     def apply(self, model: nn.Module, plan: WrapPlan, config: ShardConfig) -> nn.Module:
         spmd = config.xla_fsdp_v2
-        if self._spmd is not None and self._spmd != spmd:
-            raise ShardConfigError(
-                "xla_fsdp_v2",
-                f"is {spmd} but this process already sharded a model with xla_fsdp_v2={self._spmd}; SPMD "
-                "mode is global to a process. Use one mode per process.",
-            )
-        from shardcore.checkpoint import _aliases
+        from shardcore.checkpoint import tied_names
 
         # tied names, decided on the unwrapped model (the wrappers rename and deduplicate)
-        aliases = _aliases(model)
+        aliases = tied_names(model)
         if spmd:
             kwargs = spmd_kwargs(config)
             self._spmd = True
@@ -146,7 +163,6 @@ class XLABackend:
         """What this rank feeds its model from a global batch: its slice (XLA FSDP), or the whole
         batch sharded along dim 0 on the mesh's ``fsdp`` axis (SPMD)."""
         import torch_xla
-
         import torch_xla.runtime as xr
 
         w = self.world()
@@ -226,7 +242,9 @@ class XLABackend:
         layout = _param_layout(model)
         missing = [n for p in model.parameters() for n, _ in layout[id(p)] if n not in sd]
         if missing:
-            raise ShardcoreError(f"shardcore.load: the state dict lacks {missing[:5]} (and {max(0, len(missing) - 5)} more).")
+            raise ShardcoreError(
+                f"shardcore.load: the state dict lacks {missing[:5]} (and {max(0, len(missing) - 5)} more)."
+            )
         with torch.no_grad():
             for p in model.parameters():
                 flat = torch.cat([sd[n].detach().reshape(-1).to(p.dtype) for n, _ in layout[id(p)]])
@@ -257,7 +275,10 @@ class XLABackend:
                         d[k] = v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
             for (name, _), d in zip(pieces, per_piece):
                 state[name] = d
-        return {"state": state, "param_groups": sharded.named_param_groups(optimizer, lambda p: [n for n, _ in layout[id(p)]])}
+        return {
+            "state": state,
+            "param_groups": sharded.named_param_groups(optimizer, lambda p: [n for n, _ in layout[id(p)]]),
+        }
 
     def load_full_optimizer_state_dict(self, model: nn.Module, optimizer: Any, state: dict[str, Any]) -> None:
         state = self.broadcast_object(state)
@@ -318,7 +339,9 @@ class XLABackend:
         if optimizer is not None:
             self.load_full_optimizer_state_dict(model, optimizer, osd or {})
 
-    def _unshard(self, p: torch.Tensor, v: torch.Tensor, pieces: list[tuple[str, tuple[int, ...]]]) -> list[torch.Tensor]:
+    def _unshard(
+        self, p: torch.Tensor, v: torch.Tensor, pieces: list[tuple[str, tuple[int, ...]]]
+    ) -> list[torch.Tensor]:
         """A tensor laid out like parameter ``p`` (its optimizer state) as unsharded CPU pieces."""
         import torch_xla.core.xla_model as xm
         import torch_xla.runtime as xr
@@ -373,9 +396,18 @@ class XLABackend:
         return LaunchSpec(processes=1, env=env, group="fsdp", per_device=world_size > 1)
 
     def validate(self, config: ShardConfig) -> None:
-        """Raise ShardConfigError for a combination of keys this backend refuses (without devices)."""
+        """Raise ShardConfigError for settings or a combination of keys this backend refuses, from
+        the config alone (no devices): ``shard()`` calls it before :meth:`apply`."""
+        if self._spmd is not None and self._spmd != config.xla_fsdp_v2:
+            raise ShardConfigError(
+                "xla_fsdp_v2",
+                f"is {config.xla_fsdp_v2} but this process already sharded a model with xla_fsdp_v2={self._spmd}; SPMD "
+                "mode is global to a process. Use one mode per process.",
+            )
         if config.xla_fsdp_v2:
             spmd_kwargs(config)
+        else:
+            fsdp_kwargs(config)
 
     def run_on_devices(self, fn: Callable[[int], None]) -> None:
         """Run ``fn(ordinal)`` once per device (``xmp.spawn``). On CPU it first sets the runtime
@@ -420,7 +452,9 @@ class XLABackend:
             from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as fsdp
         # cpu_ram_efficient_loading: the other ranks may hold meta tensors; rank 0's weights fill the
         # shards after wrapping
-        from_rank0 = self._take_rank0_weights(model) if config.cpu_ram_efficient_loading and self.world().size > 1 else None
+        from_rank0 = (
+            self._take_rank0_weights(model) if config.cpu_ram_efficient_loading and self.world().size > 1 else None
+        )
         if from_rank0 is None and self._threads is not None:
             _start_from_device0(model, self._threads)
         out = fsdp(
@@ -437,7 +471,10 @@ class XLABackend:
         """Rank 0's parameters and buffers (every buffer: the other ranks' meta ones have no value), by
         name; ``{}`` on the other ranks. Every rank reaches the same verdict on a bad model."""
         rank = self.world().rank
-        tensors = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+        tensors = {
+            **dict(model.named_parameters(remove_duplicate=False)),
+            **dict(model.named_buffers(remove_duplicate=False)),
+        }
         layout = {k: tuple(t.shape) for k, t in tensors.items()}
         rank0_meta, rank0_layout = self.broadcast_object((any(t.is_meta for t in tensors.values()), layout))
         problem = None
@@ -528,7 +565,9 @@ def _clip_fsdp_grads(model: nn.Module, max_norm: float, norm_type: float) -> tor
     elif math.isinf(norm_type):
         local = torch.stack([g.abs().max() for g in grads]).max()
     else:
-        local = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]), norm_type)
+        local = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]), norm_type
+        )
     total = local
     if xr.world_size() > 1:
         # the wrapper's own all_reduce, with the layout pinning it was built with
@@ -621,14 +660,21 @@ def fsdp_kwargs(config: ShardConfig) -> dict[str, Any]:
         key = f"xla_fsdp_settings.{name}"
         if name in _PLAN_OWNED:
             raise ShardConfigError(
-                key, "is decided by shardcore's wrap plan. Use auto_wrap_policy / transformer_layer_cls_to_wrap / min_num_params."
+                key,
+                "is decided by shardcore's wrap plan. Use auto_wrap_policy / transformer_layer_cls_to_wrap / min_num_params.",
             )
         if name in _NOT_FROM_CONFIG:
             raise ShardConfigError(key, "takes a Python callable, which a config cannot hold. Remove it.")
         if name not in settable:
-            raise UnknownKeyError(key, [f"xla_fsdp_settings.{n}" for n in settable], where="XlaFullyShardedDataParallel arguments")
+            raise UnknownKeyError(
+                key, [f"xla_fsdp_settings.{n}" for n in settable], where="XlaFullyShardedDataParallel arguments"
+            )
         out[name] = _convert(key, value, settable[name].default)
-    if "reshard_after_forward" in out and "reshard_after_forward" in config.explicit and out["reshard_after_forward"] != config.reshard_after_forward:
+    if (
+        "reshard_after_forward" in out
+        and "reshard_after_forward" in config.explicit
+        and out["reshard_after_forward"] != config.reshard_after_forward
+    ):
         raise ShardConfigError(
             "xla_fsdp_settings.reshard_after_forward",
             f"is {out['reshard_after_forward']} but reshard_after_forward is {config.reshard_after_forward}. Keep one.",
@@ -661,26 +707,31 @@ def _convert(key: str, value: Any, default: Any) -> Any:
     if name in _DTYPE_SETTINGS:
         if value is None:
             return None
-        return getattr(torch, _dtype_name(key, value))
+        return getattr(torch, dtype_name(key, value))
     if isinstance(default, bool):
         if not isinstance(value, bool):
-            raise ShardConfigError(key, f"must be true or false, got {_show(value)}.")
+            raise ShardConfigError(key, f"must be true or false, got {show_value(value)}.")
         return value
     if name in ("sharding_rank", "sharding_world_size", "reduce_scatter_bucket_size_mb") or isinstance(default, int):
         if value is None and default is None:
             return None
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**31:
-            raise ShardConfigError(key, f"must be a non-negative integer below 2**31, got {_show(value)}.")
+            raise ShardConfigError(key, f"must be a non-negative integer below 2**31, got {show_value(value)}.")
         return value
     if name == "sharding_groups":
         if value is None:
             return None
-        if not (isinstance(value, list) and value and all(
-            isinstance(g, list) and g and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in g) for g in value
-        )):
-            raise ShardConfigError(key, f"must be a list of lists of device ordinals, got {_show(value)}.")
+        if not (
+            isinstance(value, list)
+            and value
+            and all(
+                isinstance(g, list) and g and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in g)
+                for g in value
+            )
+        ):
+            raise ShardConfigError(key, f"must be a list of lists of device ordinals, got {show_value(value)}.")
         return value
-    raise ShardConfigError(key, f"cannot be set from a config (value {_show(value)}).")  # pragma: no cover
+    raise ShardConfigError(key, f"cannot be set from a config (value {show_value(value)}).")  # pragma: no cover
 
 
 # ---------------------------------------------------------------- helpers
@@ -827,8 +878,8 @@ def _fsdp_shard(full: torch.Tensor, like: torch.Tensor, rank: int, world: int) -
 def _like_spmd_param(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """``value`` on the XLA device with the same SPMD sharding as ``p``."""
     import torch_xla
-    from torch_xla.experimental.spmd_fully_sharded_data_parallel import _prepare_spmd_partition_spec
     import torch_xla.distributed.spmd as xs
+    from torch_xla.experimental.spmd_fully_sharded_data_parallel import _prepare_spmd_partition_spec
 
     t = value.to(torch_xla.device(), p.dtype)
     xs.mark_sharding(t, xs.get_global_mesh(), _prepare_spmd_partition_spec(t, shard_maximal=True))

@@ -1,4 +1,5 @@
 """A deliberately wrong XLA variant, shipped so tests can show the conformance suite catches it."""
+
 from __future__ import annotations
 
 from .backend import XLABackend

@@ -46,6 +46,7 @@ torch_xla's own ``xm.rendezvous`` syncs without that serialization and gathers w
 so barriers, broadcasts and gathers between device threads go through Python memory instead
 (:class:`DeviceThreads`): the threads share one address space.
 """
+
 from __future__ import annotations
 
 import gc

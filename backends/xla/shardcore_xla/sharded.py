@@ -15,6 +15,7 @@ XLA FSDP (``xla_fsdp_v2: false``)
     Loading at any world size: rank 0 concatenates the saved ranks' shards into full tensors and
     every rank takes its part, as a FULL load does.
 """
+
 from __future__ import annotations
 
 import json
@@ -66,7 +67,11 @@ def save_spmd(model: nn.Module, optimizer: Any, path: str, strip: Callable[[str]
     import torch.distributed.checkpoint as dcp
     from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
 
-    dcp.save(spmd_state(model, optimizer, strip, prime=False), storage_writer=dcp.FileSystemWriter(path), planner=SPMDSavePlanner())
+    dcp.save(
+        spmd_state(model, optimizer, strip, prime=False),
+        storage_writer=dcp.FileSystemWriter(path),
+        planner=SPMDSavePlanner(),
+    )
     if optimizer is not None:
         names = {id(p): strip(n) for n, p in model.named_parameters()}
         Path(path, GROUPS).write_text(json.dumps(named_param_groups(optimizer, lambda p: [names[id(p)]])))
@@ -128,7 +133,9 @@ def save_fsdp(
         "optimizer_scalars": opt_meta,
     }
     if buffers:
-        save_file({k: v.detach().cpu().contiguous() for k, v in buffers.items()}, str(Path(path, "buffers.safetensors")))
+        save_file(
+            {k: v.detach().cpu().contiguous() for k, v in buffers.items()}, str(Path(path, "buffers.safetensors"))
+        )
     if optimizer is not None:
         index["param_groups"] = named_param_groups(optimizer, lambda p: [n for n, _ in layout[id(p)]])
     Path(path, INDEX).write_text(json.dumps(index))

@@ -30,6 +30,7 @@ All touch torch_xla private members; :func:`check_private_api` verifies they exi
 ``VERIFIED`` names the torch_xla releases the fixes were verified on (parity with eager CPU over
 every unit shape of the conformance suite).
 """
+
 from __future__ import annotations
 
 import functools
@@ -43,8 +44,13 @@ log = logging.getLogger(__name__)
 VERIFIED = ("2.9",)
 # methods overridden or called; the instance attributes (full_params, _has_full_param,
 # _require_backward_grad_sync) are read with getattr and checked in the tests
-_PRIVATE = ("_wait_for_post_backward", "_free_full_params", "_rebuild_full_params", "_register_pre_backward_hooks",
-            "_setup_output_hook_and_backward_opt_barrier_lists")
+_PRIVATE = (
+    "_wait_for_post_backward",
+    "_free_full_params",
+    "_rebuild_full_params",
+    "_register_pre_backward_hooks",
+    "_setup_output_hook_and_backward_opt_barrier_lists",
+)
 
 
 def warn_if_unverified(version: str) -> None:
@@ -54,7 +60,8 @@ def warn_if_unverified(version: str) -> None:
     if major_minor > max(tuple(int(x) for x in v.split(".")) for v in VERIFIED):
         log.warning(
             "shardcore xla: torch_xla %s is newer than the releases the multi-output unit fixes were verified on (%s)",
-            version, ", ".join(VERIFIED),
+            version,
+            ", ".join(VERIFIED),
         )
 
 
@@ -136,7 +143,10 @@ class LiveIds(set):
         from torch_xla.distributed.fsdp.xla_fully_sharded_data_parallel import collect_tensors
 
         for t in collect_tensors(outputs):
-            if super().__contains__(id(t)) and id(t) not in self._refs:
+            ref = self._refs.get(id(t))
+            # a unit's first output is hooked without asking the set, so its id may come with the
+            # reference of a dead object that had the same address: pin it to this one
+            if super().__contains__(id(t)) and (ref is None or ref() is not t):
                 self._refs[id(t)] = weakref.ref(t)
 
     def clear(self) -> None:

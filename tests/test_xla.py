@@ -36,6 +36,19 @@ def _xla_env(devices: int) -> dict:
     return env
 
 
+def _worker_json(devices: int, *args: str) -> dict:
+    """Run ``xla_worker.py args`` on ``devices`` CPU devices; the JSON line it printed last."""
+    out = subprocess.run(
+        [sys.executable, str(HERE / "xla_worker.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_xla_env(devices),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def _assert_ok(result):
     assert result.ok, "\n".join(f"{v.case}: {v.reasons}" for v in result.failures())
     for v in result.verdicts:
@@ -171,15 +184,7 @@ def test_cyclic_garbage_does_not_split_the_step_graph():
     collector runs. Collected on device 0 and not yet on device 1, the two devices compiled different
     modules and XLA aborted the process at the first collective (op_ids of two modules); the step end
     collects before the devices sync."""
-    out = subprocess.run(
-        [sys.executable, str(HERE / "xla_worker.py"), "garbage", "fsdp"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=_xla_env(2),
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    losses = json.loads(out.stdout.strip().splitlines()[-1])["losses"]
+    losses = _worker_json(2, "garbage", "fsdp")["losses"]
     assert len(losses) == 3 and all(l == l for l in losses) and losses[0] != losses[-1], losses
 
 
@@ -188,17 +193,12 @@ def test_an_output_with_a_recycled_id_still_gets_its_pre_backward_hook(backend, 
     """XLA FSDP keeps the ids of the outputs it hooked and skips any output whose id is in that set,
     but ids of dead outputs stay there and CPython hands their addresses to new objects. Device
     threads interleave allocations, so devices hooked different outputs, traced different graphs and
-    XLA aborted the process at a rendezvous (1 case in ~25 of the Llama cases on 2 devices; 0 in 450
-    with the fix). With shardcore's fix the output is hooked; torch_xla's own class skips it."""
-    out = subprocess.run(
-        [sys.executable, str(HERE / "xla_worker.py"), "recycled", "fsdp", backend],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=_xla_env(1),
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    XLA aborted the process at a rendezvous (within ~25 case runs of the Llama cases on 2 devices;
+    none in 534 runs of all 18 XLA FSDP cases with the fix). With shardcore's fix the output is
+    hooked; torch_xla's own class skips it. A unit's first output is hooked without asking the set,
+    so the fix also pins such an output's recycled id to it: returned again by an outer unit, it is
+    not hooked twice."""
+    got = _worker_json(1, "recycled", "fsdp", backend)
     assert got["collided"] and got["hooked_before"], got  # the situation was made
     assert got["hooked"] is hooked, got
     assert got["hooks_on_returned_twice"] == 1, got  # an output an outer unit returns again is hooked once
@@ -210,15 +210,7 @@ def test_item_counter_exists_before_device_threads_read_values():
     fallback of each op; two device threads reading their first loss (.item()) at once crashed the
     process now and then (a segfault in the map's lookup). shard() has torch_xla insert that counter
     while the other device threads wait, so the threads only ever look it up."""
-    out = subprocess.run(
-        [sys.executable, str(HERE / "xla_worker.py"), "fallbacks", "fsdp"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=_xla_env(2),
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "aten::_local_scalar_dense" in json.loads(out.stdout.strip().splitlines()[-1])["fallbacks"]
+    assert "aten::_local_scalar_dense" in _worker_json(2, "fallbacks", "fsdp")["fallbacks"]
 
 
 def test_cpu_recipe_problems_and_settings():

@@ -94,6 +94,11 @@ def shard(model: nn.Module, config: Any = None, *, backend: str | Backend | None
     Every check of the config against the model, the wrap plan and the backend (its supported keys,
     and its own ``validate`` where it declares ``ConfigValidation``) runs before the model is
     touched, without talking to other ranks, so every rank reaches the same verdict.
+
+    Process-wide effects: on several torch.distributed ranks, a process group shardcore creates is
+    destroyed at exit (a group the script created is left alone), and ``sys.excepthook`` is wrapped
+    once, so that an uncaught failed collective ends the process with a DistributedSetupError naming
+    the lost rank (other exceptions pass through to the previous hook unchanged).
     """
     if not isinstance(model, nn.Module):
         raise ShardcoreError(f"shardcore.shard: expected a torch.nn.Module, got {type(model).__name__}.")

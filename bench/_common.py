@@ -134,14 +134,9 @@ def write_result(name: str, data: dict[str, Any], out: str | None) -> Path:
 def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str, env: dict) -> None:
     os.environ.update(env)
     os.environ.setdefault("USE_TORCH_XLA", "0")
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    from shardcore_conformance.launch import torchrun_env
+
+    os.environ.update(torchrun_env(rank, world_size, port))
     result = fn(rank, world_size, *args)
     tmp = Path(out_dir) / f".{rank}.json"
     tmp.write_text(json.dumps(result))

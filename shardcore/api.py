@@ -9,10 +9,11 @@ from typing import Any
 from torch import nn
 
 from .backend import Backend, World, resolve_backend
-from .capabilities import ConfigValidation, StepEnd
+from .capabilities import StepEnd
 from .config import ShardConfig, parse_config
-from .errors import AlreadyShardedError, ShardConfigError, ShardcoreError
+from .errors import AlreadyShardedError, ShardcoreError
 from .plan import WrapPlan, build_plan
+from .validate import validate
 
 log = logging.getLogger(__name__)
 
@@ -92,13 +93,15 @@ def shard(model: nn.Module, config: Any = None, *, backend: str | Backend | None
     their sharded form.
 
     Every check of the config against the model, the wrap plan and the backend (its supported keys,
-    and its own ``validate`` where it declares ``ConfigValidation``) runs before the model is
-    touched, without talking to other ranks, so every rank reaches the same verdict.
+    :func:`shardcore.validate.validate` with the backend's own checks) runs before the model is
+    touched, and every rank reaches the same verdict: a config mistake never leaves a model half
+    sharded or one rank waiting for another.
 
     Process-wide effects: on several torch.distributed ranks, a process group shardcore creates is
     destroyed at exit (a group the script created is left alone), and ``sys.excepthook`` is wrapped
     once, so that an uncaught failed collective ends the process with a DistributedSetupError naming
-    the lost rank (other exceptions pass through to the previous hook unchanged).
+    the lost rank (other exceptions pass through to the previous hook unchanged). Set the
+    environment variable ``SHARDCORE_EXCEPTHOOK=0`` to leave ``sys.excepthook`` alone.
     """
     if not isinstance(model, nn.Module):
         raise ShardcoreError(f"shardcore.shard: expected a torch.nn.Module, got {type(model).__name__}.")
@@ -109,12 +112,9 @@ def shard(model: nn.Module, config: Any = None, *, backend: str | Backend | None
             "model to shard it differently."
         )
     cfg = parse_config(config)
-    _check_model_against_config(model, cfg)
     chosen = resolve_backend(cfg, backend)
     plan = build_plan(model, cfg)
-    _check_plan_against_config(plan, cfg)
-    if isinstance(chosen, ConfigValidation):
-        chosen.validate(cfg)  # before apply: what the backend refuses, from the config alone
+    validate(model, plan, cfg, chosen)
     if cfg.activation_checkpointing or cfg.xla_fsdp_grad_ckpt:
         _disable_kv_cache(model)
     log.info("shardcore: %s backend, %d units\n%s", chosen.name, len(plan.units), plan.describe())
@@ -139,34 +139,6 @@ def handle(model: nn.Module) -> ShardedModel:
 def handle_or_none(model: nn.Module) -> ShardedModel | None:
     """The handle of a sharded model, None for a model :func:`shard` did not return."""
     return getattr(model, _HANDLE_ATTR, None)
-
-
-def _check_model_against_config(model: nn.Module, cfg: ShardConfig) -> None:
-    if cfg.activation_checkpointing or cfg.xla_fsdp_grad_ckpt:
-        key = "activation_checkpointing" if cfg.activation_checkpointing else "xla_fsdp_grad_ckpt"
-        # Transformers 5 renamed is_gradient_checkpointing; read the old name only where the new is absent
-        attr = (
-            "is_activation_checkpointing"
-            if hasattr(model, "is_activation_checkpointing")
-            else "is_gradient_checkpointing"
-        )
-        if getattr(model, attr, False) is True:
-            raise ShardConfigError(
-                key,
-                f"is true but {type(model).__name__} already has gradient checkpointing enabled "
-                "(gradient_checkpointing_enable()); setting both raises an error (Transformers FSDP "
-                f"guide). Call model.gradient_checkpointing_disable() or drop {key}.",
-            )
-
-
-def _check_plan_against_config(plan: WrapPlan, cfg: ShardConfig) -> None:
-    if (cfg.activation_checkpointing or cfg.xla_fsdp_grad_ckpt) and not plan.units:
-        key = "activation_checkpointing" if cfg.activation_checkpointing else "xla_fsdp_grad_ckpt"
-        raise ShardConfigError(
-            key,
-            f"is true but auto_wrap_policy {cfg.auto_wrap_policy} gives no units to checkpoint. Use "
-            "TRANSFORMER_BASED_WRAP or SIZE_BASED_WRAP, or drop the key.",
-        )
 
 
 def _disable_kv_cache(model: nn.Module) -> None:

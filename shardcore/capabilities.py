@@ -128,6 +128,20 @@ class ConfigValidation(Protocol):
 
 
 @runtime_checkable
+class ModelValidation(Protocol):
+    """Checks of a config against this model and the other ranks' models, which ``apply`` would
+    otherwise meet halfway through sharding (rank 0's weights under ``cpu_ram_efficient_loading``,
+    a model that differs between ranks, a meta-device model a mode cannot fill). :func:`shardcore.shard`
+    calls it on every rank, after :class:`ConfigValidation` and before ``apply``; it may use
+    collectives, and must end with one verdict on every rank (see
+    :func:`shardcore.validate.agree`) so that no rank raises while another waits in ``apply``."""
+
+    def validate_model(self, model: nn.Module, plan: Any, config: ShardConfig) -> None:
+        """Raise :class:`shardcore.ShardConfigError` naming the key, the value and the fix."""
+        ...
+
+
+@runtime_checkable
 class GlobalGradSquares(Protocol):
     """For backends whose ranks do not hold disjoint gradient shards (replication, hybrid
     sharding): the sum of squared gradient entries of the whole model, the same on every rank.
@@ -168,6 +182,7 @@ CAPABILITIES: tuple[type, ...] = (
     Launcher,
     DeviceLaunch,
     ConfigValidation,
+    ModelValidation,
     GlobalGradSquares,
     CompileCounter,
     RenamesParameters,

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import DistributedSetupError
+from .errors import BatchError, DistributedSetupError
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,10 @@ def _check_existing_group() -> None:
 
 # ---------------------------------------------------------------- lost peers
 
+#: ``SHARDCORE_EXCEPTHOOK=0`` keeps sys.excepthook as the script set it (a script or framework with
+#: its own hook, e.g. for crash reporting); a lost rank then surfaces as torch's own error
+EXCEPTHOOK_VAR = "SHARDCORE_EXCEPTHOOK"
+
 _peers: dict[int, tuple[str, int]] = {}  # rank -> (hostname, pid), filled once the group is up
 _hook_installed = False
 
@@ -125,7 +129,8 @@ _hook_installed = False
 def _watch_peers() -> None:
     """Record every rank's (host, pid) in the group's store and install an excepthook that, when a
     collective fails uncaught (gloo: 'Connection reset by peer' once a peer died, or a timeout once
-    it stopped answering), ends the process with a DistributedSetupError naming the lost rank."""
+    it stopped answering), ends the process with a DistributedSetupError naming the lost rank
+    (unless ``SHARDCORE_EXCEPTHOOK=0``)."""
     global _hook_installed
     size = dist.get_world_size()
     if size == 1 or _peers:
@@ -141,7 +146,7 @@ def _watch_peers() -> None:
         log.warning("shardcore: could not record peer processes (%s); lost ranks will not be named", e)
         _peers.clear()
         return
-    if not _hook_installed:
+    if not _hook_installed and os.environ.get(EXCEPTHOOK_VAR, "1") != "0":
         previous = sys.excepthook
 
         def hook(exc_type, exc, tb):  # noqa: ANN001
@@ -259,13 +264,9 @@ class TorchDistributedRuntime:
     def local_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's contiguous slice (along dim 0) of a global batch, on this rank's device."""
         w = self.world()
+        check_batch_divides(batch, w.size, "ranks")
         out = {}
         for k, v in batch.items():
-            if v.shape[0] % w.size:
-                raise DistributedSetupError(
-                    f"shardcore: batch field {k!r} has {v.shape[0]} rows, not divisible by world size "
-                    f"{w.size}. Use a global batch size that is a multiple of the world size."
-                )
             n = v.shape[0] // w.size
             out[k] = v[w.rank * n : (w.rank + 1) * n].to(w.device)
         return out
@@ -274,3 +275,14 @@ class TorchDistributedRuntime:
         if torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+
+def check_batch_divides(batch: dict[str, Any], parts: int, what: str) -> None:
+    """Every backend's ``local_batch`` refuses a global batch it cannot split evenly over ``parts``
+    ranks or devices (``what``) with this one error, before slicing anything."""
+    for k, v in batch.items():
+        if v.shape[0] % parts:
+            raise BatchError(
+                f"shardcore: batch field {k!r} has {v.shape[0]} rows, not divisible by the {parts} {what}. "
+                f"Use a global batch size that is a multiple of {parts}."
+            )

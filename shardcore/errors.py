@@ -9,9 +9,19 @@ from __future__ import annotations
 import difflib
 from typing import Iterable
 
+#: every message starts with it, so a user can tell shardcore's refusals from a library's failures
+PREFIX = "shardcore"
+
 
 class ShardcoreError(Exception):
-    """Base class of every error shardcore raises on purpose."""
+    """Base class of every error shardcore raises on purpose. The message starts with ``shardcore``
+    (a more precise ``shardcore.save:``, ``shardcore config key 'x':`` ... where the raiser gives one,
+    ``shardcore:`` otherwise)."""
+
+    def __init__(self, *args: object):
+        if args and isinstance(args[0], str) and not args[0].startswith(PREFIX):
+            args = (f"{PREFIX}: {args[0]}", *args[1:])
+        super().__init__(*args)
 
 
 class ShardConfigError(ShardcoreError, ValueError):
@@ -65,6 +75,10 @@ class AlreadyShardedError(ShardcoreError, RuntimeError):
 
 class DistributedSetupError(ShardcoreError, RuntimeError):
     """The process group or device mesh could not be set up (missing peer, bad world size...)."""
+
+
+class BatchError(ShardcoreError, ValueError):
+    """A global batch cannot be split over the ranks or devices (``local_batch``)."""
 
 
 class CheckpointError(ShardcoreError, RuntimeError):

@@ -16,6 +16,7 @@ from torch import nn
 
 from .config import ShardConfig
 from .errors import WrapPlanError
+from .ties import tie_groups
 
 # As torch's size_based_auto_wrap_policy: containers are never units themselves.
 _CONTAINER_TYPES = (nn.ModuleList, nn.ModuleDict)
@@ -142,15 +143,13 @@ def _size_based(model: nn.Module, min_num_params: int) -> list[str]:
 def _check_no_shared_params(model: nn.Module, chosen: list[str]) -> None:
     """A parameter shared between a unit and something outside it (tied embeddings) cannot be
     sharded by both; such units are refused with the names, instead of failing deep in a backend."""
-    owners: dict[int, set[str]] = {}
-    for mname, mod in model.named_modules(remove_duplicate=False):
-        for pname, p in mod.named_parameters(recurse=False):
-            owners.setdefault(id(p), set()).add(mname)
+    groups = tie_groups(model)
     for path in chosen:
-        unit = model.get_submodule(path)
-        for pname, p in unit.named_parameters(remove_duplicate=False):
-            outside = {o for o in owners[id(p)] if not _within(o, path)}
-            if outside:
+        for group in groups:
+            inside = [s for s in group if _within(s.path, path)]
+            outside = {s.path for s in group if not _within(s.path, path)}
+            if inside and outside:
+                pname = inside[0].name[len(path) + 1 :] if path else inside[0].name
                 raise WrapPlanError(
                     "auto_wrap_policy",
                     f"unit {path!r} holds parameter {pname!r}, which is shared with {sorted(outside)!r} "

@@ -1,5 +1,51 @@
+"""Shared fixtures and markers. Tests that launch processes use ``tests/harness.py``.
+
+Markers (pyproject.toml): ``multiprocess`` launches real worker processes; ``xla`` needs torch_xla and
+is skipped, saying so, where it is not installed; ``cuda`` needs a CUDA GPU and is skipped, saying
+so, on a machine without one. ``-m 'not multiprocess'`` gives the fast in-process subset.
+"""
+
+import importlib.util
 import os
+
+import pytest
 
 # Transformers imports torch_xla whenever it is installed; tests that want XLA run it in their own
 # processes, so the test process itself stays plain PyTorch.
 os.environ.setdefault("USE_TORCH_XLA", "0")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    skips = {}
+    if importlib.util.find_spec("torch_xla") is None:
+        skips["xla"] = pytest.mark.skip(
+            reason="needs torch_xla (pip install torch==2.9.0 torch_xla==2.9.0); not installed here"
+        )
+    if not torch.cuda.is_available():
+        skips["cuda"] = pytest.mark.skip(reason="needs a CUDA GPU; torch sees none on this machine")
+    for item in items:
+        for marker, skip in skips.items():
+            if marker in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture
+def mlp():
+    """The conformance suite's small MLP (uneven layer sizes), seeded."""
+    import torch
+
+    from shardcore_conformance.models import MLP
+
+    torch.manual_seed(0)
+    return MLP()
+
+
+@pytest.fixture
+def tiny_llama():
+    """A 2-layer Llama built from a config (never downloaded), seeded: a real Hugging Face model
+    with ``_no_split_modules``."""
+    from shardcore_conformance.models import build_model
+
+    return build_model("llama", seed=0)

@@ -8,26 +8,20 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+import harness
+from harness import ROOT  # noqa: E402
+
 pytestmark = pytest.mark.multiprocess
 
 
 def _run(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, USE_TORCH_XLA="0")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True, timeout=timeout, env=env
-    )
+    out = harness.python(ROOT / "bench" / script, *args, timeout=timeout)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return out
 
@@ -63,8 +57,8 @@ def test_gpu_script_without_cuda_says_so_and_exits_0():
     assert "no CUDA device" in out.stdout
 
 
+@pytest.mark.xla
 def test_overhead_xla_tiny_compares_both_modes_without_recompiling(tmp_path):
-    pytest.importorskip("torch_xla", reason="the XLA comparison needs torch_xla")
     res = tmp_path / "overhead.json"
     out = _run(
         "overhead.py", "--only-xla", "--size", "tiny", "--steps", "2", "--warmup", "2", "--out", str(res), timeout=600

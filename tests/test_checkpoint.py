@@ -1,7 +1,7 @@
 """Checkpoints: FULL (safetensors) and SHARDED (DCP), exact resume, resharding, atomic saves,
 cpu_ram_efficient_loading, and the errors for bad input.
 
-Multi-process checks run ``tests/ckpt_worker.py`` under ``torchrun`` in fresh processes (a new
+Multi-process checks run ``tests/workers/ckpt.py`` under ``torchrun`` in fresh processes (a new
 process group each time), with a deadline; the checks that need no process group run here.
 """
 
@@ -9,68 +9,34 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+import harness
+
 os.environ.setdefault("USE_TORCH_XLA", "0")
 
 import shardcore  # noqa: E402
 import shardcore.checkpoint as ckpt  # noqa: E402
-from shardcore_conformance.launch import free_port  # noqa: E402
 from shardcore_conformance.models import MLP, tiny_llama_config  # noqa: E402
 
-WORKER = Path(__file__).with_name("ckpt_worker.py")
+WORKER = harness.worker("ckpt")
 DEADLINE = 240.0
 
 
 def _command(nproc: int, *args: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "1",
-        "--nproc_per_node",
-        str(nproc),
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{free_port()}",
-        str(WORKER),
-        *args,
-    ]
-
-
-def _env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "USE_TORCH_XLA": "0", "OMP_NUM_THREADS": "1", **extra}
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(10)
+    return [str(harness.BIN / "torchrun"), "--standalone", "--nproc_per_node", str(nproc), str(WORKER), *args]
 
 
 def torchrun(nproc: int, *args: str, timeout: float = DEADLINE) -> None:
     """Run the worker on ``nproc`` ranks; a failure or a hang past ``timeout`` fails the test."""
-    proc = subprocess.Popen(
-        _command(nproc, *args), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        pytest.fail(f"ckpt_worker {' '.join(args)} on {nproc} ranks did not finish within {timeout:g}s")
+    proc = harness.run(_command(nproc, *args), timeout=timeout, merge=True)
     if proc.returncode != 0:
-        text = out.decode(errors="replace")
+        text = proc.stdout
         errors = [ln for ln in text.splitlines() if "Error" in ln or "error" in ln]
         pytest.fail(
             f"ckpt_worker {' '.join(args)} on {nproc} ranks failed (rc {proc.returncode}):\n"
@@ -223,7 +189,7 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path, kind):
     marker = tmp_path / "saving"
     proc = subprocess.Popen(
         _command(2, "kill", str(tmp_path), kind),
-        env=_env(CKPT_MARKER=str(marker)),
+        env=harness.clean_env(CKPT_MARKER=str(marker)),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -236,7 +202,7 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path, kind):
                 pytest.fail(f"the worker never reached the second save (rc {proc.poll()}):\n{out[-3000:]}")
             time.sleep(0.2)
     finally:
-        _kill_group(proc)
+        harness.kill_group(proc)
     name = "killed_full" if kind == "FULL_STATE_DICT" else "killed_sharded"
     target = tmp_path / name
     partial = Path(marker.read_text())
@@ -370,7 +336,7 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     def disk_full(*a, **k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ckpt, "_write_manifest", disk_full)
+    monkeypatch.setattr(ckpt.manifest, "write_manifest", disk_full)
     with pytest.raises(OSError, match="No space left"):
         shardcore.save(model, tmp_path / "c")
     assert {p.name: p.read_bytes() for p in (tmp_path / "c").iterdir()} == before
@@ -388,7 +354,7 @@ def test_interrupted_swap_falls_back_to_the_old_copy(tmp_path, monkeypatch):
     torch.manual_seed(0)
     model = MLP()
     shardcore.save(model, tmp_path / "c")
-    monkeypatch.setattr(ckpt, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(ckpt.atomic, "_exchange", lambda a, b: False)
     real_rename = os.rename
 
     def die_on_second(src, dst):

@@ -23,6 +23,8 @@ from shardcore_conformance import TOLERANCES, compare, covered_keys, fsdp2_matri
 from shardcore_conformance.cli import main as cli_main
 from shardcore_conformance.models import build_model
 
+import harness
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 CLI = str(BIN / "shardcore-conformance")
@@ -194,15 +196,12 @@ def test_cli_list_and_usage_errors(capsys):
 
 
 def _run(args, env_extra=None, timeout=420):
-    env = dict(os.environ, USE_TORCH_XLA="0")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
+    env = harness.clean_env()
     extra = dict(env_extra or {})
-    # tests/ for backends_for_tests; a vendor site directory first where given
-    paths = [extra.pop("PYTHONPATH", ""), str(ROOT / "tests"), env.get("PYTHONPATH", "")]
-    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    # a vendor site directory first where given (clean_env puts tests/ on the path for the fixtures)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (extra.pop("PYTHONPATH", ""), env["PYTHONPATH"]) if p)
     env.update(extra)
-    return subprocess.run([CLI, *args], capture_output=True, text=True, timeout=timeout, env=env)
+    return harness.run([CLI, *args], env=env, timeout=timeout)
 
 
 @pytest.mark.multiprocess
@@ -262,9 +261,9 @@ def test_cli_runs_cases_and_writes_the_report(tmp_path):
 @pytest.mark.parametrize(
     "backend, case, expected",
     [
-        ("shardcore_conformance.broken:SumGradsBackend", "grad_accum-mlp", "gradient norm differs at step 0"),
-        ("shardcore_conformance.broken:WrongSliceBackend", "grad_accum-mlp", "loss differs at step 0"),
-        ("shardcore_conformance.broken:LocalNormClippingBackend", "clip-llama", "clipping norm differs at step 0"),
+        ("broken_backends:SumGradsBackend", "grad_accum-mlp", "gradient norm differs at step 0"),
+        ("broken_backends:WrongSliceBackend", "grad_accum-mlp", "loss differs at step 0"),
+        ("broken_backends:LocalNormClippingBackend", "clip-llama", "clipping norm differs at step 0"),
     ],
 )
 def test_cli_catches_broken_backends(tmp_path, backend, case, expected):
@@ -288,7 +287,7 @@ def test_xfails_report_known_gaps_apart_and_only_unexpected_failures_fail(tmp_pa
     xf = tmp_path / "xfails.txt"
     xf.write_text("# known gaps\nclip-*  local norm VENDOR-1\nuneven-mlp  stale entry\nnothing-*  matches no case\n")
     cases = "clip-llama,uneven-mlp"
-    backend = "shardcore_conformance.broken:LocalNormClippingBackend"
+    backend = "broken_backends:LocalNormClippingBackend"
     out = _run(
         ["--backend", backend, "--cases", cases, "--xfails", str(xf), "--report", str(tmp_path / "r"), "--no-plots"]
     )
@@ -398,3 +397,17 @@ def test_vendor_backend_is_found_by_name_and_passes(vendor_site, tmp_path):
     doc = json.loads((tmp_path / "report.json").read_text())
     assert doc["supported_keys"] == ["timeout"]
     assert all(r["checkpoint_param_diff"] == 0.0 for r in doc["cases"])
+
+
+@pytest.mark.cuda
+@pytest.mark.multiprocess
+def test_fsdp2_conformance_on_cuda_in_bf16(tmp_path):
+    """The suite on a CUDA device (NCCL) at world size 1, every case in bf16: what `run` on a GPU
+    machine checks."""
+    out = _run(
+        ["--backend", "fsdp2", "--device-type", "cuda", "--world-size", "1", "--dtype", "bf16", "--no-plots", "-q"]
+        + ["--report", str(tmp_path)],
+        timeout=1800,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert json.loads((tmp_path / "report.json").read_text())["ok"]

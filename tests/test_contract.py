@@ -7,7 +7,6 @@ import re
 from pathlib import Path
 
 import pytest
-from backends_for_tests import PlainBackend
 from torch import nn
 
 import shardcore
@@ -22,17 +21,19 @@ from shardcore.capabilities import (
     declared,
 )
 
+from backends_for_tests import PlainBackend
+
 ROOT = Path(__file__).resolve().parent.parent
 IN_TREE = [
     "fsdp2",
-    "shardcore_conformance.broken:SumGradsBackend",
-    "shardcore_conformance.broken:WrongSliceBackend",
-    "shardcore_conformance.broken:LocalNormClippingBackend",
+    "broken_backends:SumGradsBackend",
+    "broken_backends:WrongSliceBackend",
+    "broken_backends:LocalNormClippingBackend",
     "backends_for_tests:PlainBackend",
     "backends_for_tests:OnlyWrapBackend",
     "backends_for_tests:UnavailableBackend",
 ]
-XLA = ["xla", "shardcore_xla.broken:WithoutUnitFixes", "shardcore_xla.broken:NoLocalBatchScaling"]
+XLA = ["xla", "broken_xla_backends:WithoutUnitFixes", "broken_xla_backends:NoLocalBatchScaling"]
 
 
 def _with_xla():
@@ -52,7 +53,7 @@ def test_every_in_tree_backend_is_an_instance_of_exactly_what_it_declares(name):
 
 def test_declared_capabilities_of_the_shipped_backends():
     names = lambda b: {c.__name__ for c in declared(shardcore.get_backend(b))}  # noqa: E731
-    assert names("fsdp2") == {"ShardedCheckpoints", "GradClipping", "GradSyncControl"}
+    assert names("fsdp2") == {"ShardedCheckpoints", "GradClipping", "GradSyncControl", "ModelValidation"}
     assert names("backends_for_tests:PlainBackend") == set()
     if _with_xla():
         assert names("xla") == {
@@ -63,6 +64,7 @@ def test_declared_capabilities_of_the_shipped_backends():
             "Launcher",
             "DeviceLaunch",
             "ConfigValidation",
+            "ModelValidation",
             "CompileCounter",
             "RenamesParameters",
         }

@@ -1,18 +1,16 @@
 """FSDP2 for real: 2 gloo ranks in separate processes against the single-device reference."""
 
-import os
-import subprocess
-import sys
+import json
 import time
-from pathlib import Path
 
 import pytest
 
 from shardcore_conformance import Case, fsdp2_matrix, run_suite
 
+import harness
+from harness import BIN, ROOT
+
 pytestmark = pytest.mark.multiprocess
-ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
 
 
 def test_fsdp2_matches_single_device_on_every_case(tmp_path):
@@ -41,13 +39,6 @@ def test_failing_case_is_reported_and_the_rest_still_run():
     assert good.ok, good.reasons
 
 
-def _env(**extra):
-    env = dict(os.environ, USE_TORCH_XLA="0")
-    env.pop("RANK", None), env.pop("WORLD_SIZE", None), env.pop("MASTER_ADDR", None), env.pop("MASTER_PORT", None)
-    env.update(extra)
-    return env
-
-
 def test_accelerate_launch(tmp_path):
     """One accelerate FSDP2 config file drives both `accelerate launch` and shardcore.shard."""
     cfg = tmp_path / "accelerate.yaml"
@@ -57,22 +48,19 @@ def test_accelerate_launch(tmp_path):
         "fsdp_config:\n  fsdp_version: 2\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
         "  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n  fsdp_reshard_after_forward: false\n"
     )
-    out = subprocess.run(
+    out = harness.run(
         [
-            str(BIN / "accelerate"),
+            BIN / "accelerate",
             "launch",
             "--config_file",
-            str(cfg),
-            str(ROOT / "examples" / "demo.py"),
+            cfg,
+            ROOT / "examples" / "demo.py",
             "--steps",
             "3",
             "--config",
-            str(cfg),
+            cfg,
         ],
-        capture_output=True,
-        text=True,
         timeout=300,
-        env=_env(),
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "fsdp2 on 2 rank(s) (cpu)" in out.stdout
@@ -80,31 +68,34 @@ def test_accelerate_launch(tmp_path):
 
 def test_missing_peer_fails_within_timeout():
     """Rank 0 of 2 with no rank 1: a clear error after the config's timeout, not a hang."""
-    code = (
-        "import shardcore\n"
-        "from shardcore_conformance.models import MLP\n"
-        "try:\n"
-        "    shardcore.shard(MLP(), {'timeout': 5})\n"
-        "except shardcore.DistributedSetupError as e:\n"
-        "    print('CLEAR ERROR:', e)\n"
-    )
     t0 = time.time()
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=_env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29547"),
+    env = harness.clean_env(
+        RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(harness.free_port())
     )
+    out = harness.python(harness.worker("shard_mlp"), "5", env=env, timeout=120)
     assert "CLEAR ERROR:" in out.stdout, out.stderr[-2000:]
     assert "rank 0 of 2" in out.stdout and "timeout" in out.stdout
     assert time.time() - t0 < 90
 
 
 def test_incomplete_launcher_environment():
-    code = "import shardcore\nfrom shardcore_conformance.models import MLP\nshardcore.shard(MLP(), {})\n"
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_env(RANK="0", WORLD_SIZE="2")
-    )
+    out = harness.python(harness.worker("shard_mlp"), env=harness.clean_env(RANK="0", WORLD_SIZE="2"), timeout=120)
     assert out.returncode != 0
     assert "DistributedSetupError" in out.stderr and "MASTER_ADDR" in out.stderr
+
+
+@pytest.mark.parametrize(
+    "mode, fragment",
+    [("differ", "rank 1's model differs from rank 0's"), ("meta", "rank 0's model has tensors on the meta device")],
+)
+def test_efficient_loading_refuses_a_model_rank0_cannot_fill_before_sharding(tmp_path, mode, fragment):
+    """Validated once, before apply: every rank gets the same ShardConfigError, no rank hangs in a
+    collective of apply, and no rank's model is touched."""
+    out = harness.torchrun(2, harness.worker("efficient_mismatch"), mode, str(tmp_path), timeout=300)
+    assert out.returncode == 0, harness.tail(out.stdout, out.stderr)
+    rows = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("rank*.json"))]
+    assert sorted(r["rank"] for r in rows) == [0, 1], out.stdout
+    for r in rows:
+        assert r["error"]["type"] == "ShardConfigError" and r["error"]["key"] == "cpu_ram_efficient_loading", r
+        assert fragment in r["error"]["message"], r
+        assert r["applied"] is False, r

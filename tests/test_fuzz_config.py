@@ -17,11 +17,11 @@ from hypothesis import strategies as st
 
 import shardcore
 from shardcore import ShardConfigError, ShardcoreError, WrapPlanError
-from shardcore.config import _ALIASES, _FIELD_NAMES, known_keys
+from shardcore.config import FIELD_NAMES, KEY_ALIASES, known_keys
 from shardcore_conformance.models import MLP
 
-FIELDS = sorted(_FIELD_NAMES)
-ALIASES = sorted(_ALIASES)
+FIELDS = sorted(FIELD_NAMES)
+ALIASES = sorted(KEY_ALIASES)
 FSDP1 = ["sharding_strategy", "backward_prefetch", "use_orig_params", "limit_all_gathers"]
 
 real_key = st.sampled_from(FIELDS + ALIASES + FSDP1)
@@ -111,7 +111,7 @@ def _norm(k: object) -> str:
     s = str(k)
     s = s.split(".")[0]
     s = s[5:] if s.startswith("fsdp_") else s
-    return _ALIASES.get(s, s)
+    return KEY_ALIASES.get(s, s)
 
 
 def _r(x: object) -> str:

@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,23 +15,8 @@ from torch import nn
 import shardcore
 from shardcore import ShardcoreError
 
-ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
-
-
-def _env(**extra):
-    env = dict(os.environ, USE_TORCH_XLA="0")
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PJRT_DEVICE", "CPU_NUM_DEVICES"):
-        env.pop(var, None)
-    env.update(extra)
-    return env
-
-
-def _xla_env(devices: int):
-    env = _env(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices))
-    env.pop("USE_TORCH_XLA")
-    return env
-
+import harness
+from harness import BIN, ROOT
 
 # -- unit level ------------------------------------------------------------------------------
 
@@ -109,22 +91,25 @@ def _demo(cmd: list[str], env: dict, config: str | None) -> tuple[str, list[tupl
     args = [str(ROOT / "examples" / "demo.py"), "--steps", "4"] + (
         ["--config", str(ROOT / "examples" / "configs" / config)] if config else []
     )
-    out = subprocess.run(cmd + args, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    out = harness.run(cmd + args, env=env, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     rows = [tuple(float(x) for x in r[1:]) for r in _ROW.findall(out.stdout)]
     return out.stdout, rows
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("backend", ["fsdp2", "xla_fsdp", "xla_spmd"])
+@pytest.mark.parametrize(
+    "backend",
+    ["fsdp2", pytest.param("xla_fsdp", marks=pytest.mark.xla), pytest.param("xla_spmd", marks=pytest.mark.xla)],
+)
 def test_demo_runs_unchanged_on_every_backend(backend):
     """examples/demo.py, one file: clipping and accumulation through the public surface only, on
     torchrun + FSDP2 (2 ranks), XLA FSDP (2 CPU devices, xmp.spawn) and SPMD (2 CPU devices)."""
     if backend == "fsdp2":
-        stdout, rows = _demo([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2"], _env(), None)
+        stdout, rows = _demo([BIN / "torchrun", "--standalone", "--nproc_per_node", "2"], harness.clean_env(), None)
         assert "fsdp2 on 2 rank(s) (cpu)" in stdout
     else:
-        stdout, rows = _demo([sys.executable], _xla_env(2), f"{backend}.json")
+        stdout, rows = _demo([sys.executable], harness.xla_env(2), f"{backend}.json")
         assert ("xla on 2 rank(s)" if backend == "xla_fsdp" else "xla on 1 rank(s)") in stdout
     assert "grad_accum 2, max_grad_norm 1.0" in stdout
     assert len(rows) == 4
@@ -138,15 +123,7 @@ def test_demo_runs_unchanged_on_every_backend(backend):
 def test_demo_fails_on_a_parity_mismatch():
     """The demo's own check can fail: with a tolerance of 0 and accumulation over several ranks the
     sums differ in the last bits."""
-    args = [str(ROOT / "examples" / "demo.py"), "--steps", "3", "--tolerance", "-1"]
-    out = subprocess.run(
-        [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2"] + args,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=_env(),
-        cwd=ROOT,
-    )
+    out = harness.torchrun(2, ROOT / "examples" / "demo.py", "--steps", "3", "--tolerance", "-1", timeout=300)
     assert out.returncode != 0 and "FAIL: the sharded run differs" in out.stdout
 
 
@@ -154,19 +131,11 @@ def test_demo_fails_on_a_parity_mismatch():
 def test_clipping_and_accumulation_match_the_trainer(tmp_path):
     """max_grad_norm=1.0 with 2 accumulation steps: the Transformers Trainer (one CPU process) and
     shardcore's loop on 2 FSDP2 ranks log the same loss and gradient norm at every step."""
-    worker = str(Path(__file__).parent / "loop_worker.py")
+    worker = harness.worker("loop")
     ref, got = tmp_path / "trainer.json", tmp_path / "shardcore.json"
-    out = subprocess.run(
-        [sys.executable, worker, "trainer", str(ref)], capture_output=True, text=True, timeout=300, env=_env()
-    )
+    out = harness.python(worker, "trainer", str(ref), timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    out = subprocess.run(
-        [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", worker, "shardcore", str(got)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=_env(),
-    )
+    out = harness.torchrun(2, worker, "shardcore", str(got), timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     ref, got = json.loads(ref.read_text()), json.loads(got.read_text())
     assert len(ref["losses"]) == len(got["losses"]) == 4
@@ -177,33 +146,12 @@ def test_clipping_and_accumulation_match_the_trainer(tmp_path):
         assert math.isclose(a, b, rel_tol=1e-5), (ref, got)
 
 
-_EXIT_SCRIPT = """
-import atexit, os, sys, torch, torch.distributed as dist
-import shardcore
-# registered before shard(): runs after shardcore's own exit handler (atexit is last in, first out)
-atexit.register(lambda: print(f"rank {os.environ['RANK']} group alive at exit: {dist.is_initialized()}", flush=True))
-if sys.argv[1] == "script":
-    dist.init_process_group("gloo")
-model = shardcore.shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)), {"auto_wrap_policy": "NO_WRAP"})
-model(torch.ones(2, 4)).sum().backward()
-shardcore.handle(model).barrier()
-"""
-
-
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("owner, alive", [("shardcore", False), ("script", True)])
 def test_process_group_teardown_at_exit(tmp_path, owner, alive):
     """A process group that shard() created is destroyed at exit (left to static destruction, gloo
     can kill a finished rank with SIGABRT); a group the script created is the script's to destroy."""
-    script = tmp_path / "exit_check.py"
-    script.write_text(_EXIT_SCRIPT)
-    out = subprocess.run(
-        [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(script), owner],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=_env(),
-    )
+    out = harness.torchrun(2, harness.worker("exit_check"), owner, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     for r in (0, 1):
         assert f"rank {r} group alive at exit: {alive}" in out.stdout, out.stdout

@@ -8,61 +8,21 @@ that disagrees with the launcher's WORLD_SIZE is refused.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch.distributed as dist
 
 import shardcore
-from shardcore_conformance.launch import free_port
 from shardcore_conformance.models import MLP
 
-WORKER = r"""
-import os, sys, time, torch
-import shardcore
-from shardcore_conformance.models import MLP
-torch.manual_seed(0)
-torch.set_num_threads(1)
-model = shardcore.shard(MLP(), {"timeout": float(sys.argv[1])})
-opt = torch.optim.AdamW(model.parameters())
-for step in range(100000):
-    model(torch.randn(4, 13)).sum().backward()
-    opt.step()
-    opt.zero_grad()
-    print(f"step {step}", flush=True)
-    time.sleep(0.02)
-"""
+import harness
 
 
-def _start_ranks(tmp_path, timeout_s: float) -> list[subprocess.Popen]:
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(
-            os.environ,
-            USE_TORCH_XLA="0",
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script), str(timeout_s)],
-                env=env,
-                text=True,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-            )
-        )
-    return procs
+def _start_ranks(timeout_s: float) -> list[subprocess.Popen]:
+    return harness.start_ranks(2, harness.worker("rank_failure"), str(timeout_s))
 
 
 def _wait_for_step(proc: subprocess.Popen, step: int, deadline_s: float) -> None:
@@ -87,7 +47,7 @@ def _wait_for_step(proc: subprocess.Popen, step: int, deadline_s: float) -> None
     ids=["kill-rank1", "kill-rank0", "stop-rank1"],
 )
 def test_lost_rank_ends_the_survivor_with_a_clear_error(tmp_path, victim, sig, timeout_s, expect):
-    procs = _start_ranks(tmp_path, timeout_s)
+    procs = _start_ranks(timeout_s)
     survivor = procs[1 - victim]
     try:
         _wait_for_step(procs[victim], 3, deadline_s=120)
@@ -129,3 +89,13 @@ def test_process_group_that_disagrees_with_world_size_is_refused(one_rank_group,
         shardcore.shard(MLP(), {})
     monkeypatch.setenv("RANK", "0")
     assert shardcore.handle(shardcore.shard(MLP(), {})).world().size == 1
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("setting, wrapped", [(None, True), ("0", False)])
+def test_the_excepthook_can_be_left_alone(setting, wrapped):
+    """shard() wraps sys.excepthook on several ranks (to name a lost rank); SHARDCORE_EXCEPTHOOK=0 opts out."""
+    env = harness.clean_env(**({"SHARDCORE_EXCEPTHOOK": setting} if setting else {}))
+    out = harness.torchrun(2, harness.worker("excepthook"), env=env, timeout=300)
+    assert out.returncode == 0, harness.tail(out.stdout, out.stderr)
+    assert out.stdout.count(f"excepthook wrapped: {wrapped}") == 2, out.stdout

@@ -1,8 +1,5 @@
 """Backend registry, backend selection errors, and shard() checks that need no second process."""
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -16,6 +13,8 @@ from shardcore import (
 )
 from shardcore_conformance.models import MLP, build_llama
 
+import harness
+
 
 def test_fsdp2_is_registered_by_entry_point():
     infos = {b.name: b for b in shardcore.available_backends()}
@@ -27,9 +26,9 @@ def test_fsdp2_is_registered_by_entry_point():
 
 
 def test_core_never_imports_backends_by_name():
-    code = "import sys, shardcore; shardcore.parse_config({}); print(sorted(m for m in sys.modules if m.startswith('shardcore_')))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
-    assert out.strip() == "[]"
+    out = harness.python(harness.worker("core_imports"), timeout=120)
+    assert out.returncode == 0, harness.tail(out.stdout, out.stderr)
+    assert out.stdout.strip() == "[]"
 
 
 def test_unknown_backend_lists_installed_ones():
@@ -158,3 +157,29 @@ def test_mesh_follows_a_new_process_group():
     new_mesh = shardcore.handle(second).backend.mesh(shardcore.handle(second).config)
     assert new_mesh is not mesh
     assert new_mesh.get_group() is dist.group.WORLD
+
+
+def _every_error_class():
+    import shardcore.errors as errors
+
+    return [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, shardcore.ShardcoreError)]
+
+
+@pytest.mark.parametrize("cls", _every_error_class(), ids=lambda c: c.__name__)
+def test_every_error_message_starts_with_one_prefix(cls):
+    if issubclass(cls, shardcore.UnknownKeyError):
+        err = cls("fsdp_bogus", ["reshard_after_forward"])
+    elif issubclass(cls, (shardcore.ShardConfigError, shardcore.WrapPlanError)):
+        err = cls("some_key", "is wrong.")
+    else:
+        err = cls("it went wrong.")
+    assert str(err).startswith("shardcore"), str(err)
+    assert cls.__name__ in shardcore.__all__  # users can catch each one by name
+
+
+def test_an_indivisible_batch_is_one_error_class():
+    from shardcore.distributed import check_batch_divides
+
+    check_batch_divides({"x": torch.zeros(6, 2)}, 3, "ranks")
+    with pytest.raises(shardcore.BatchError, match=r"batch field 'y' has 5 rows, not divisible by the 2 devices"):
+        check_batch_divides({"x": torch.zeros(4, 2), "y": torch.zeros(5)}, 2, "devices")

@@ -7,18 +7,18 @@ import io
 import json
 import os
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import harness
+
 os.environ.setdefault("USE_TORCH_XLA", "0")
 
 from shardcore import CheckpointError, safe_dcp  # noqa: E402
 
-WORKER = Path(__file__).with_name("safe_load_worker.py")
+WORKER = harness.worker("safe_load")
 
 
 class _Evil:
@@ -76,14 +76,7 @@ def test_shardcore_load_of_a_malicious_sharded_checkpoint(tmp_path, kind):
     """Through shardcore.load on a sharded FSDP2 model: refused with CheckpointError, and the
     command in the checkpoint never runs (torch's own reader and planner would run it)."""
     marker = tmp_path / "ran"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    out = subprocess.run(
-        [sys.executable, str(WORKER), kind, str(tmp_path / "ckpt"), str(marker)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**env, "USE_TORCH_XLA": "0"},
-    )
+    out = harness.python(WORKER, kind, str(tmp_path / "ckpt"), str(marker), timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     error = json.loads(out.stdout.strip().splitlines()[-1])["error"]
     assert error and error["type"] == "CheckpointError", error

@@ -5,11 +5,7 @@ CPU PJRT devices are threads of one process (CPU_NUM_DEVICES); each run starts i
 """
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,32 +15,18 @@ from shardcore import BackendUnavailableError, ShardConfigError, UnknownKeyError
 from shardcore_conformance import Case, run_suite
 from shardcore_conformance.models import build_model
 
-pytest.importorskip("torch_xla", reason="the XLA backend needs torch_xla (pip install torch==2.9.0 torch_xla==2.9.0)")
+import harness
 
-HERE = Path(__file__).resolve().parent
+pytestmark = pytest.mark.xla  # skipped, saying so, where torch_xla is not installed (conftest.py)
+
+WORKER = harness.worker("xla")
 X = {"xla": True}
 V2 = {"xla": True, "xla_fsdp_v2": True}
 
 
-def _xla_env(devices: int) -> dict:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("USE_TORCH_XLA", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    }
-    env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices))
-    return env
-
-
 def _worker_json(devices: int, *args: str) -> dict:
-    """Run ``xla_worker.py args`` on ``devices`` CPU devices; the JSON line it printed last."""
-    out = subprocess.run(
-        [sys.executable, str(HERE / "xla_worker.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=_xla_env(devices),
-    )
+    """Run ``workers/xla.py args`` on ``devices`` CPU devices; the JSON line it printed last."""
+    out = harness.python(WORKER, *args, env=harness.xla_env(devices), timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -150,7 +132,7 @@ def test_xla_fsdp_parity_on_cpu_devices(devices):
 def test_unit_fixes_are_what_makes_two_output_units_train(case):
     """Without shardcore's fixes, a plain unit returning ``(out, w)`` (w an ancestor of out)
     trains with stale weights, or crashes under grad ckpt: torch_xla 2.9's bugs (unit_fix.py)."""
-    result = run_suite([case], "shardcore_xla.broken:WithoutUnitFixes", world_size=1, case_timeout=300)
+    result = run_suite([case], "broken_xla_backends:WithoutUnitFixes", world_size=1, case_timeout=300)
     assert not result.ok, "torch_xla no longer has the bug: drop the workaround (shardcore_xla/unit_fix.py)"
     reasons = " ".join(result.verdicts[0].reasons)
     assert ("Invoked with: [None]" in reasons) if "gc" in case.name else ("differs at step 1" in reasons), reasons
@@ -160,16 +142,10 @@ def test_unit_fixes_are_what_makes_two_output_units_train(case):
 def test_cpu_runtime_settings_that_can_no_longer_change_are_clear_errors():
     """xmp.spawn by hand without the CPU recipe: shard() names the variable and the fix at once,
     instead of hanging or dying in XLA's 10 s rendezvous abort."""
-    env = _xla_env(4)
+    env = harness.xla_env(4)
     env.pop("PJRT_CPU_ASYNC_CLIENT", None)
     env["XLA_THREAD_POOL_SIZE"] = "2"
-    out = subprocess.run(
-        [sys.executable, str(HERE / "xla_worker.py"), "spawn", "fsdp"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+    out = harness.python(WORKER, "spawn", "fsdp", env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     error = json.loads(out.stdout.strip().splitlines()[-1])["error"]
     assert error["type"] == "DistributedSetupError", error
@@ -188,7 +164,7 @@ def test_cyclic_garbage_does_not_split_the_step_graph():
     assert len(losses) == 3 and all(l == l for l in losses) and losses[0] != losses[-1], losses
 
 
-@pytest.mark.parametrize("backend,hooked", [("xla", True), ("shardcore_xla.broken:WithoutUnitFixes", False)])
+@pytest.mark.parametrize("backend,hooked", [("xla", True), ("broken_xla_backends:WithoutUnitFixes", False)])
 def test_an_output_with_a_recycled_id_still_gets_its_pre_backward_hook(backend, hooked):
     """XLA FSDP keeps the ids of the outputs it hooked and skips any output whose id is in that set,
     but ids of dead outputs stay there and CPython hands their addresses to new objects. Device
@@ -215,22 +191,68 @@ def test_item_counter_exists_before_device_threads_read_values():
 
 def test_cpu_recipe_problems_and_settings():
     from shardcore_xla import cpu
-    from shardcore_xla.backend import cpu_fsdp_kwargs
+    from shardcore_xla.settings import check_cpu_fsdp_settings, cpu_fsdp_kwargs, fsdp_kwargs
 
     good = cpu.recipe_env(4)
     assert cpu.problems(4, good) == []
     assert [p.split()[0] for p in cpu.problems(4, {**good, "PJRT_CPU_ASYNC_CLIENT": "1"})] == ["PJRT_CPU_ASYNC_CLIENT"]
     assert [p.split()[0] for p in cpu.problems(4, {**good, "XLA_THREAD_POOL_SIZE": "3"})] == ["XLA_THREAD_POOL_SIZE"]
     assert [p.split()[0] for p in cpu.problems(4, {**good, "XLA_THREAD_POOL_SIZE": "many"})] == ["XLA_THREAD_POOL_SIZE"]
-    assert cpu_fsdp_kwargs(parse_config(X), {"x": 1}) == {"x": 1, "pin_layout_in_collective_ops": False}
+    assert cpu_fsdp_kwargs({"x": 1}) == {"x": 1, "pin_layout_in_collective_ops": False}
+    check_cpu_fsdp_settings(parse_config(X))
     for name in ("pin_layout_in_collective_ops", "sync_on_finalization"):
-        assert (
-            cpu_fsdp_kwargs(parse_config({**X, "xla_fsdp_settings": {name: False}}), {})["pin_layout_in_collective_ops"]
-            is False
-        )
+        cfg = parse_config({**X, "xla_fsdp_settings": {name: False}})
+        check_cpu_fsdp_settings(cfg)
+        kwargs = cpu_fsdp_kwargs(fsdp_kwargs(cfg))
+        assert kwargs["pin_layout_in_collective_ops"] is False and kwargs[name] is False
         with pytest.raises(ShardConfigError) as e:
-            cpu_fsdp_kwargs(parse_config({**X, "xla_fsdp_settings": {name: True}}), {})
+            check_cpu_fsdp_settings(parse_config({**X, "xla_fsdp_settings": {name: True}}))
         assert e.value.key == f"xla_fsdp_settings.{name}" and "several CPU PJRT devices" in str(e.value)
+
+
+def test_spmd_refuses_a_meta_model_before_apply():
+    """cpu_ram_efficient_loading under SPMD: the one process is rank 0 and must hold the weights.
+    shard() refuses a meta-device model in validate_model, before apply (and before any device)."""
+    from shardcore_xla import XLABackend
+
+    applied = []
+
+    class RecordsApply(XLABackend):
+        name = "xla-records-apply"
+
+        def apply(self, model, plan, config):
+            applied.append(config)
+            return super().apply(model, plan, config)
+
+    with pytest.raises(ShardConfigError) as e:
+        shardcore.shard(
+            build_model("mlp", 0).to("meta"), {**V2, "cpu_ram_efficient_loading": True}, backend=RecordsApply()
+        )
+    assert e.value.key == "cpu_ram_efficient_loading" and "meta device" in str(e.value), e.value
+    assert applied == []
+
+
+@pytest.mark.multiprocess
+def test_model_checks_on_several_cpu_devices_come_before_apply():
+    """On 2 device threads, every device refuses, before apply runs: pin_layout_in_collective_ops
+    true (the CPU recipe), rank 0's model on the meta device under cpu_ram_efficient_loading, and
+    device 1's model on the meta device without it (DistributedSetupError: not a config error, but
+    found before device 0's weights are copied). apply runs for the config that passes, and a batch
+    that does not split over the devices is a BatchError."""
+    got = _worker_json(2, "refusals", "fsdp")
+    assert got["applied"] == [0, 1], got  # each device's one good config, nothing else
+    assert len(got["ranks"]) == 2, got
+    for rank in got["ranks"]:
+        seen = rank["seen"]
+        assert seen["pin_layout"]["type"] == "ShardConfigError", seen
+        assert seen["pin_layout"]["key"] == "xla_fsdp_settings.pin_layout_in_collective_ops", seen
+        assert seen["rank0_meta"]["type"] == "ShardConfigError", seen
+        assert seen["rank0_meta"]["key"] == "cpu_ram_efficient_loading", seen
+        assert "rank 0's model has tensors on the meta device" in seen["rank0_meta"]["message"], seen
+        assert seen["device1_meta"]["type"] == "DistributedSetupError", seen
+        assert "device 1's model differs from device 0's" in seen["device1_meta"]["message"], seen
+        assert "on the meta device" in seen["device1_meta"]["message"], seen
+        assert rank["batch"] == "BatchError", rank
 
 
 def test_a_failed_device_thread_stops_the_others_even_in_a_later_group(monkeypatch):
@@ -292,7 +314,7 @@ def test_conformance_models_are_identical_in_racing_threads():
 def test_broken_xla_variant_is_caught():
     """The suite catches a wrong XLA run: without the input sharding fix-up SPMD parity fails."""
     result = run_suite(
-        [Case("xla-broken", "llama", V2)], "shardcore_xla.broken:NoLocalBatchScaling", world_size=2, case_timeout=300
+        [Case("xla-broken", "llama", V2)], "broken_xla_backends:NoLocalBatchScaling", world_size=2, case_timeout=300
     )
     assert not result.ok and "loss differs at step 0" in " ".join(result.verdicts[0].reasons)
 
@@ -303,13 +325,7 @@ def test_grad_ckpt_recomputes_units_in_backward(mode, devices):
     """xla_fsdp_grad_ckpt is honoured: a unit's submodule runs again in backward."""
     counts = {}
     for gc in ("0", "1"):
-        out = subprocess.run(
-            [sys.executable, str(HERE / "xla_worker.py"), "forwards", mode, gc],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=_xla_env(devices),
-        )
+        out = harness.python(WORKER, "forwards", mode, gc, env=harness.xla_env(devices), timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
         counts[gc] = json.loads(out.stdout.strip().splitlines()[-1])["forwards"]
     assert counts == {"0": 1, "1": 2}
@@ -321,13 +337,7 @@ def test_grad_ckpt_recomputes_units_in_backward(mode, devices):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("mode, devices", [("spmd", 2), ("fsdp", 1), ("fsdp", 2)])
 def test_no_recompilation_after_warmup(mode, devices):
-    out = subprocess.run(
-        [sys.executable, str(HERE / "xla_worker.py"), "compile", mode, "6"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=_xla_env(devices),
-    )
+    out = harness.python(WORKER, "compile", mode, "6", env=harness.xla_env(devices), timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     counts = json.loads(out.stdout.strip().splitlines()[-1])["compiles"]
     assert counts[0] > 0
@@ -343,13 +353,7 @@ def test_no_recompilation_after_warmup(mode, devices):
 def test_full_checkpoint_from_xla_loads_into_fsdp2_and_single_device(tmp_path, mode):
     from safetensors.torch import load_file
 
-    out = subprocess.run(
-        [sys.executable, str(HERE / "xla_worker.py"), "save", mode, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=_xla_env(2),
-    )
+    out = harness.python(WORKER, "save", mode, str(tmp_path), env=harness.xla_env(2), timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     expected = load_file(str(tmp_path / "expected.safetensors"))
     plain = build_model("llama", 5)
@@ -375,19 +379,14 @@ def test_full_checkpoint_from_fsdp2_loads_into_xla(tmp_path, mode, devices):
     opt.step()
     shardcore.save(model, tmp_path / "ckpt")
     expected = shardcore.handle(model).backend.full_state_dict(model)
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(HERE / "xla_worker.py"),
-            "load",
-            mode,
-            str(tmp_path / "ckpt"),
-            str(tmp_path / "got.safetensors"),
-        ],
-        capture_output=True,
-        text=True,
+    out = harness.python(
+        WORKER,
+        "load",
+        mode,
+        str(tmp_path / "ckpt"),
+        str(tmp_path / "got.safetensors"),
+        env=harness.xla_env(devices),
         timeout=300,
-        env=_xla_env(devices),
     )
     assert out.returncode == 0, out.stderr[-3000:]
     got = load_file(str(tmp_path / "got.safetensors"))
@@ -407,12 +406,8 @@ def test_sharded_checkpoint_resumes_at_other_device_counts(tmp_path, mode):
     for devices in (2, 4, 1):
         out = tmp_path / f"{devices}dev"
         out.mkdir()
-        run = subprocess.run(
-            [sys.executable, str(HERE / "xla_worker.py"), "resume", mode, "SHARDED_STATE_DICT", previous, str(out)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=_xla_env(devices),
+        run = harness.python(
+            WORKER, "resume", mode, "SHARDED_STATE_DICT", previous, str(out), env=harness.xla_env(devices), timeout=300
         )
         assert run.returncode == 0, run.stderr[-3000:]
         if previous != "-":
@@ -437,13 +432,7 @@ def test_cpu_ram_efficient_loading_reads_on_rank0_only(tmp_path, mode, devices):
     the files, the other device threads build the model on the meta device and receive every weight
     and buffer from it; SPMD's one process reads them once."""
     build_model("llama", 9).save_pretrained(tmp_path / "hf")
-    out = subprocess.run(
-        [sys.executable, str(HERE / "xla_worker.py"), "efficient", mode, str(tmp_path / "hf")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=_xla_env(devices),
-    )
+    out = harness.python(WORKER, "efficient", mode, str(tmp_path / "hf"), env=harness.xla_env(devices), timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["reads"] == [0], res
@@ -456,30 +445,21 @@ def test_sharded_checkpoint_of_one_xla_mode_is_refused_by_the_other(tmp_path):
     for mode, other in (("fsdp", "spmd"), ("spmd", "fsdp")):
         out = tmp_path / mode
         out.mkdir()
-        run = subprocess.run(
-            [sys.executable, str(HERE / "xla_worker.py"), "resume", mode, "SHARDED_STATE_DICT", "-", str(out)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=_xla_env(1),
+        run = harness.python(
+            WORKER, "resume", mode, "SHARDED_STATE_DICT", "-", str(out), env=harness.xla_env(1), timeout=300
         )
         assert run.returncode == 0, run.stderr[-3000:]
         again = tmp_path / f"{mode}-into-{other}"
         again.mkdir()
-        run = subprocess.run(
-            [
-                sys.executable,
-                str(HERE / "xla_worker.py"),
-                "resume",
-                other,
-                "SHARDED_STATE_DICT",
-                str(out / "ckpt"),
-                str(again),
-            ],
-            capture_output=True,
-            text=True,
+        run = harness.python(
+            WORKER,
+            "resume",
+            other,
+            "SHARDED_STATE_DICT",
+            str(out / "ckpt"),
+            str(again),
+            env=harness.xla_env(1),
             timeout=300,
-            env=_xla_env(1),
         )
         assert run.returncode != 0 and "shardcore.errors.CheckpointError" in run.stderr, run.stderr[-3000:]
         assert "FULL_STATE_DICT" in run.stderr.splitlines()[-1]
@@ -489,9 +469,12 @@ def test_sharded_checkpoint_of_one_xla_mode_is_refused_by_the_other(tmp_path):
 
 
 def _kwargs(**cfg):
-    from shardcore_xla.backend import fsdp_kwargs
+    """The checks validate() runs, then the conversion apply() uses."""
+    from shardcore_xla.settings import check_fsdp_settings, fsdp_kwargs
 
-    return fsdp_kwargs(parse_config({"xla": True, **cfg}))
+    config = parse_config({"xla": True, **cfg})
+    check_fsdp_settings(config)
+    return fsdp_kwargs(config)
 
 
 def test_settings_pass_through_with_trainer_conversions():
@@ -550,15 +533,15 @@ def test_unknown_setting_lists_the_valid_ones():
 
 
 def test_reshard_conflict_and_spmd_refusals():
-    from shardcore_xla.backend import spmd_kwargs
+    from shardcore_xla.settings import check_spmd_settings
 
     with pytest.raises(ShardConfigError, match="Keep one"):
         _kwargs(reshard_after_forward=True, xla_fsdp_settings={"reshard_after_forward": False})
     with pytest.raises(ShardConfigError, match="SPMD FSDPv2") as e:
-        spmd_kwargs(parse_config({**V2, "xla_fsdp_settings": {"compute_dtype": "bfloat16"}}))
+        check_spmd_settings(parse_config({**V2, "xla_fsdp_settings": {"compute_dtype": "bfloat16"}}))
     assert e.value.key == "xla_fsdp_settings.compute_dtype"
     with pytest.raises(ShardConfigError, match="no such setting") as e:
-        spmd_kwargs(parse_config({**V2, "reshard_after_forward": False}))
+        check_spmd_settings(parse_config({**V2, "reshard_after_forward": False}))
     assert e.value.key == "reshard_after_forward"
 
 

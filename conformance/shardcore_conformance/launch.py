@@ -40,6 +40,19 @@ def launch_spec(backend: str | None, case: Case, world_size: int) -> LaunchSpec:
     return b.launch_spec(shardcore.parse_config(case.config), world_size)
 
 
+def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The variables torchrun gives rank ``rank`` of ``world_size`` on one machine, for processes
+    this package (and the benchmarks) start themselves."""
+    return dict(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -63,14 +76,7 @@ def _worker(
         # for plain-PyTorch jobs); an XLA runtime in an FSDP2 or reference process is dead weight.
         os.environ.setdefault("USE_TORCH_XLA", "0")
     if nprocs > 1:
-        os.environ.update(
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            LOCAL_WORLD_SIZE=str(world_size),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
+        os.environ.update(torchrun_env(rank, world_size, port))
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     if per_device:

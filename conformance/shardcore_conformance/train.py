@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from shardcore.capabilities import GlobalGradSquares, StepEnd
+from shardcore.ties import retie_like
 
 from .cases import Case
 from .models import build_model, forward_output, loss_fn, make_batches, probe_batch
@@ -320,7 +321,7 @@ def _low_precision_step(case: Case, model: nn.Module, batch, dtype: torch.dtype)
         for name, p in m_low._parameters.items():
             if p is not None and p.is_floating_point():
                 m_low._parameters[name] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
-    _retie(model, low)
+    retie_like(model, low)
     # FSDP2's MixedPrecisionPolicy casts floating-point forward inputs too (cast_forward_inputs)
     batch = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in batch.items()}
     loss = loss_fn(case.model, low, batch)
@@ -332,18 +333,3 @@ def _low_precision_step(case: Case, model: nn.Module, batch, dtype: torch.dtype)
             g = q.grad.float()
             p.grad = g if p.grad is None else p.grad + g
     return loss
-
-
-def _retie(master: nn.Module, low: nn.Module) -> None:
-    """Parameters shared in ``master`` (tied embeddings) are shared in the low-precision copy too."""
-    first: dict[int, tuple[nn.Module, str]] = {}
-    low_mods = dict(low.named_modules(remove_duplicate=False))
-    for mname, mod in master.named_modules(remove_duplicate=False):
-        for pname, p in mod._parameters.items():
-            if p is None:
-                continue
-            if id(p) in first:
-                src_mod, src_name = first[id(p)]
-                low_mods[mname]._parameters[pname] = src_mod._parameters[src_name]
-            else:
-                first[id(p)] = (low_mods[mname], pname)

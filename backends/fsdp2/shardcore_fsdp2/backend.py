@@ -17,15 +17,17 @@ import torch.distributed as dist
 from torch import nn
 
 from shardcore import safe_dcp
-from shardcore.capabilities import GradClipping, GradSyncControl, ShardedCheckpoints
+from shardcore.capabilities import GradClipping, GradSyncControl, ModelValidation, ShardedCheckpoints
 from shardcore.config import ShardConfig
 from shardcore.distributed import TorchDistributedRuntime, ensure_process_group
 from shardcore.plan import WrapPlan
+from shardcore.ties import retie, tie_groups, ties_kept
+from shardcore.validate import check_rank0_weights, layout
 
 log = logging.getLogger(__name__)
 
 
-class FSDP2Backend(TorchDistributedRuntime, ShardedCheckpoints, GradClipping, GradSyncControl):
+class FSDP2Backend(TorchDistributedRuntime, ShardedCheckpoints, GradClipping, GradSyncControl, ModelValidation):
     """world/barrier/all_reduce_sum/broadcast_object/local_batch come from TorchDistributedRuntime."""
 
     name = "fsdp2"
@@ -94,11 +96,10 @@ class FSDP2Backend(TorchDistributedRuntime, ShardedCheckpoints, GradClipping, Gr
         # rank 0's tensors are broadcast one at a time; each rank keeps its shard. A meta-device
         # model gets new tensors assigned, one per name, which unties tied weights: tie them again
         # to the parameter FSDP2 manages (the first holder, in module order).
-        ties = _param_sites(model)
-        set_model_state_dict(
-            model, state_dict, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        )
-        _retie(ties)
+        with ties_kept(model):
+            set_model_state_dict(
+                model, state_dict, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            )
 
     def full_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -155,6 +156,13 @@ class FSDP2Backend(TorchDistributedRuntime, ShardedCheckpoints, GradClipping, Gr
         finally:
             model.set_requires_gradient_sync(True)
 
+    def validate_model(self, model: nn.Module, plan: WrapPlan, config: ShardConfig) -> None:
+        """cpu_ram_efficient_loading: rank 0 holds the weights and every rank's model matches it,
+        checked with collectives before sharding, one verdict on every rank."""
+        if config.cpu_ram_efficient_loading:
+            ensure_process_group(config.timeout, torch.cuda.is_available())
+            check_rank0_weights(model, dist.get_rank(), self.broadcast_object, _all_gather_object)
+
     # -- helpers --------------------------------------------------------------------------------
     def mesh(self, config: ShardConfig):
         from torch.distributed.device_mesh import init_device_mesh
@@ -202,36 +210,16 @@ def _take_rank0_weights(model: nn.Module) -> tuple[dict[str, Any], dict[str, tor
     """Before sharding with cpu_ram_efficient_loading: keep rank 0's weights aside and move every
     rank's model to the meta device, so that sharding allocates nothing and rank 0's weights can be
     broadcast into the shards afterwards. Returns (rank 0's state dict, its non-persistent buffers);
-    both empty on the other ranks, whose model may have been built on the meta device."""
-    from shardcore.errors import ShardConfigError
-
+    both empty on the other ranks, whose model may have been built on the meta device.
+    ``validate_model`` has checked that the ranks' models agree."""
     rank = dist.get_rank()
     tensors = {
         **dict(model.named_parameters(remove_duplicate=False)),
         **dict(model.named_buffers(remove_duplicate=False)),
     }
-    layout = {k: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for k, t in tensors.items()}
-    rank0_meta = any(t.is_meta for t in tensors.values())
-    box = [(rank0_meta, layout)]
+    box = [layout(model)]
     dist.broadcast_object_list(box, src=0)
-    rank0_meta, rank0_layout = box[0]
-    problem = None
-    if rank0_meta:
-        problem = (
-            "is true but rank 0's model has tensors on the meta device. Rank 0 must hold the real weights "
-            "(from_pretrained there); the other ranks may build the model on the meta device."
-        )
-    elif {k: v[0] for k, v in layout.items()} != {k: v[0] for k, v in rank0_layout.items()}:
-        diff = sorted(set(layout.items()) ^ set(rank0_layout.items()))[:3]
-        problem = (
-            f"is true but rank {rank}'s model differs from rank 0's (names or shapes: {diff}). Build the same "
-            "model from the same config on every rank."
-        )
-    problems = [None] * dist.get_world_size()
-    dist.all_gather_object(problems, problem)
-    bad = next((p for p in problems if p), None)
-    if bad:
-        raise ShardConfigError("cpu_ram_efficient_loading", bad)
+    rank0_layout = box[0]
 
     non_persistent = [
         f"{prefix}.{name}" if prefix else name
@@ -241,7 +229,7 @@ def _take_rank0_weights(model: nn.Module) -> tuple[dict[str, Any], dict[str, tor
     ]
     state = model.state_dict() if rank == 0 else {}
     buffers = {k: tensors[k] for k in non_persistent} if rank == 0 else {}
-    ties = _param_sites(model)
+    groups = tie_groups(model)
     model.to(torch.device("meta"))
     # the other ranks take rank 0's dtypes, so that every rank shards the same thing
     for prefix, mod in model.named_modules(remove_duplicate=False):
@@ -253,26 +241,14 @@ def _take_rank0_weights(model: nn.Module) -> tuple[dict[str, Any], dict[str, tor
                     slot[name] = (
                         nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
                     )
-    _retie(ties)  # .to() gives each module its own new Parameter
+    retie(groups)  # .to() gives each module its own new Parameter
     return state, buffers
 
 
-def _param_sites(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
-    """For each parameter shared by several modules (tied weights), every (module, name) holding it."""
-    by_id: dict[int, list[tuple[nn.Module, str]]] = {}
-    for mod in model.modules():
-        for name, p in mod._parameters.items():
-            if p is not None:
-                by_id.setdefault(id(p), []).append((mod, name))
-    return [s for s in by_id.values() if len(s) > 1]
-
-
-def _retie(ties: list[list[tuple[nn.Module, str]]]) -> None:
-    """Make every holder of a tied parameter hold its first holder's parameter again."""
-    for sites in ties:
-        first_mod, first_name = sites[0]
-        for mod, name in sites[1:]:
-            mod._parameters[name] = first_mod._parameters[first_name]
+def _all_gather_object(obj: Any) -> list[Any]:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def _broadcast_buffers(model: nn.Module, rank0_buffers: dict[str, torch.Tensor], device: torch.device) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -36,6 +37,24 @@ FORMAT = "shardcore-xla-fsdp-shards"
 
 def _rank_file(rank: int, world: int) -> str:
     return f"rank-{rank:05d}-of-{world:05d}.safetensors"
+
+
+def check_mode(path: str, spmd: bool) -> None:
+    """A sharded checkpoint loads only into the XLA mode that wrote it: SPMD's is a
+    torch.distributed.checkpoint directory, XLA FSDP's is not. Every rank checks, so every rank raises."""
+    dcp = os.path.isfile(os.path.join(path, ".metadata"))
+    if spmd and not dcp:
+        raise CheckpointError(
+            f"shardcore.load: {path!r} is not a torch.distributed.checkpoint directory, so not a sharded checkpoint "
+            "of SPMD (xla_fsdp_v2: true). A sharded checkpoint loads only into the XLA mode that wrote it; save "
+            "FULL_STATE_DICT to move between modes."
+        )
+    if not spmd and dcp:
+        raise CheckpointError(
+            f"shardcore.load: {path!r} is a torch.distributed.checkpoint directory (FSDP2 or SPMD), not XLA FSDP's "
+            "per-rank shards. A sharded checkpoint loads only into the backend and mode that wrote it; save "
+            "FULL_STATE_DICT to move between them."
+        )
 
 
 # ------------------------------------------------------------------------------------ SPMD (DCP)
@@ -78,6 +97,7 @@ def save_spmd(model: nn.Module, optimizer: Any, path: str, strip: Callable[[str]
 
 
 def load_spmd(model: nn.Module, optimizer: Any, path: str, strip: Callable[[str], str]) -> None:
+    import torch_xla.core.xla_model as xm
     from torch.distributed.checkpoint._traverse import set_element
     from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
 
@@ -88,6 +108,10 @@ def load_spmd(model: nn.Module, optimizer: Any, path: str, strip: Callable[[str]
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], safe_dcp.load_bytes(value))
 
     state = spmd_state(model, optimizer, strip, prime=True)
+    # the planner reads each tensor's device data; a torch_xla.sync() still running (the step end
+    # before the load, or priming the optimizer) makes it fail now and then with "Trying to access
+    # XLA data for tensor ... while an async operation is in flight"
+    xm.wait_device_ops()
     safe_dcp.load(state, path, SafeSPMDLoadPlanner())
     if optimizer is not None:
         restore_param_groups(optimizer, json.loads(Path(path, GROUPS).read_text()), f"the checkpoint at {path!r}")

@@ -1,29 +1,32 @@
 """XLA runs for tests/test_xla.py, each in its own process (PJRT settings are per process).
 
-    python xla_worker.py compile  MODE STEPS           -> JSON: compile count after each step
-    python xla_worker.py save     MODE DIR             -> trains 3 steps, shardcore.save FULL to DIR/ckpt,
+    python xla.py compile  MODE STEPS           -> JSON: compile count after each step
+    python xla.py save     MODE DIR             -> trains 3 steps, shardcore.save FULL to DIR/ckpt,
                                                           full_state_dict to DIR/expected.safetensors
-    python xla_worker.py load     MODE CKPT OUT        -> shardcore.load CKPT into a sharded model,
+    python xla.py load     MODE CKPT OUT        -> shardcore.load CKPT into a sharded model,
                                                           full_state_dict to OUT
-    python xla_worker.py forwards MODE GC              -> JSON: forward calls of a unit's MLP in one step
-    python xla_worker.py resume   MODE FORMAT IN OUT   -> loads IN (a checkpoint; "-": none) into a sharded
+    python xla.py forwards MODE GC              -> JSON: forward calls of a unit's MLP in one step
+    python xla.py resume   MODE FORMAT IN OUT   -> loads IN (a checkpoint; "-": none) into a sharded
                                                           model and AdamW, dumps both to OUT/loaded.safetensors,
                                                           trains 2 steps, saves FORMAT to OUT/ckpt and dumps
                                                           the state saved to OUT/saved.safetensors
-    python xla_worker.py efficient MODE HF_DIR         -> shardcore.from_pretrained with cpu_ram_efficient_loading:
+    python xla.py efficient MODE HF_DIR         -> shardcore.from_pretrained with cpu_ram_efficient_loading:
                                                           JSON of which ranks read the files, the largest
                                                           parameter and buffer differences from the files
-    python xla_worker.py garbage  MODE                 -> trains 3 steps in which every device drops a cycle
+    python xla.py garbage  MODE                 -> trains 3 steps in which every device drops a cycle
                                                           holding a lazy tensor, and the cycle collector
                                                           runs after device 0 dropped its cycle, before
                                                           device 1 does: JSON of the losses
-    python xla_worker.py fallbacks MODE                -> JSON: the CPU-fallback ops torch_xla has counted
+    python xla.py fallbacks MODE                -> JSON: the CPU-fallback ops torch_xla has counted
                                                           right after shard(), before any other code ran
-    python xla_worker.py recycled MODE BACKEND       -> JSON: whether a unit output that took the id of a
+    python xla.py recycled MODE BACKEND       -> JSON: whether a unit output that took the id of a
                                                           dead, hooked output gets XLA FSDP's pre-backward
                                                           hook (BACKEND: xla, or module:Class)
-    python xla_worker.py spawn    MODE                 -> xmp.spawn straight away (no shardcore launcher):
+    python xla.py spawn    MODE                 -> xmp.spawn straight away (no shardcore launcher):
                                                           prints the error shard() raises, as JSON
+    python xla.py refusals MODE                 -> shard() with what validate_model refuses, then a
+                                                          good config, then an odd batch: JSON of every
+                                                          device's errors and the devices apply ran on
 MODE is "spmd" (xla_fsdp_v2) or "fsdp" (XlaFullyShardedDataParallel). With "fsdp" and CPU_NUM_DEVICES
 > 1 the command runs once per device thread (the backend's run_on_devices, i.e. xmp.spawn) and rank 0
 prints.
@@ -44,6 +47,7 @@ from transformers import LlamaForCausalLM
 
 import shardcore
 from shardcore_conformance.models import build_model, loss_fn, make_batches
+from shardcore_xla import XLABackend
 
 
 def sharded_llama(mode: str, grad_ckpt: bool = False, hook=None, **extra):
@@ -169,6 +173,50 @@ def efficient(mode: str, hf_dir: str, rank: int, emit) -> None:
     )
 
 
+class RecordsApply(XLABackend):
+    """The XLA backend, recording the device of every apply call."""
+
+    name = "xla-records-apply"
+
+    def __init__(self):
+        super().__init__()
+        self.applied = []
+
+    def apply(self, model, plan, config):
+        import torch_xla.runtime as xr
+
+        self.applied.append(xr.global_ordinal())
+        return super().apply(model, plan, config)
+
+
+_RECORDER = RecordsApply()  # one instance for every device thread, as get_backend gives
+
+
+def refusals(rank: int, emit) -> None:
+    x = {"xla": True}
+    attempts = {
+        "pin_layout": ({**x, "xla_fsdp_settings": {"pin_layout_in_collective_ops": True}}, False),
+        "rank0_meta": ({**x, "cpu_ram_efficient_loading": True}, rank == 0),
+        "device1_meta": (x, rank == 1),
+    }
+    seen = {}
+    for name, (cfg, meta) in attempts.items():
+        model = build_model("mlp", 0)
+        try:
+            shardcore.shard(model.to("meta") if meta else model, cfg, backend=_RECORDER)
+            seen[name] = None
+        except shardcore.ShardcoreError as e:
+            seen[name] = {"type": type(e).__name__, "key": getattr(e, "key", None), "message": str(e)}
+    shardcore.shard(build_model("mlp", 0), x, backend=_RECORDER)
+    try:
+        _RECORDER.local_batch({"x": torch.zeros(3, 13)})
+        batch = None
+    except shardcore.ShardcoreError as e:
+        batch = type(e).__name__
+    everyone = _RECORDER._threads.exchange(rank, {"seen": seen, "batch": batch})  # after every apply
+    emit(json.dumps({"ranks": everyone, "applied": sorted(_RECORDER.applied)}), flush=True)
+
+
 def main() -> None:
     cmd, mode = sys.argv[1], sys.argv[2]
     if cmd == "spawn":
@@ -203,6 +251,9 @@ def run(cmd: str, mode: str, rank: int) -> None:
         return
     if cmd == "efficient":
         efficient(mode, sys.argv[3], rank, emit)
+        return
+    if cmd == "refusals":
+        refusals(rank, emit)
         return
     if cmd == "recycled":
         emit(json.dumps(recycled_id(sys.argv[3])), flush=True)

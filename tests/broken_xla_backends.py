@@ -1,8 +1,9 @@
-"""A deliberately wrong XLA variant, shipped so tests can show the conformance suite catches it."""
+"""Deliberately wrong XLA variants (test fixtures, not shipped): the tests show that the conformance
+suite catches each. Loaded as ``broken_xla_backends:<Class>`` with tests/ on the path."""
 
 from __future__ import annotations
 
-from .backend import XLABackend
+from shardcore_xla import XLABackend
 
 
 class NoLocalBatchScaling(XLABackend):

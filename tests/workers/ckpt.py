@@ -1,4 +1,4 @@
-"""Worker for tests/test_checkpoint.py, run by torchrun: ``ckpt_worker.py SCENARIO DIR``.
+"""Worker for tests/test_checkpoint.py, run by torchrun: ``ckpt.py SCENARIO DIR``.
 
 Every rank runs the scenario; rank 0 writes what the test checks into DIR (per-rank checks go to
 ``DIR/<name>.rank<r>.json``). The model is the conformance suite's tiny Llama with tied embeddings,
@@ -107,7 +107,7 @@ def write_rank(d: Path, name: str, obj) -> None:
 
 def hang_before_commit() -> None:
     """Kill-test hook: after the data of a save is written, announce it and wait to be killed."""
-    real = ckpt._write_manifest
+    real = ckpt.manifest.write_manifest
 
     def slow(tmp, manifest):
         marker = os.environ["CKPT_MARKER"]
@@ -115,7 +115,7 @@ def hang_before_commit() -> None:
         time.sleep(600)
         real(tmp, manifest)
 
-    ckpt._write_manifest = slow
+    ckpt.manifest.write_manifest = slow
 
 
 # ------------------------------------------------------------------------------------ scenarios

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -20,20 +21,11 @@ PER_DEVICE, ACCUM, LR, MAX_NORM = 4, 2, 1e-2, 1.0
 
 
 def build():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The demo's tiny Llama (examples/demo.py), so this parity check covers the model users run."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    from demo import build as demo_build
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attn_implementation="eager",
-    )
-    return LlamaForCausalLM(cfg)
+    return demo_build()
 
 
 def rows() -> torch.Tensor:

@@ -1,4 +1,6 @@
-"""Deliberately wrong backends, shipped so the suite can show that it catches real bugs."""
+"""Deliberately wrong backends (test fixtures, not shipped): each must fail the conformance suite,
+which shows that the suite catches the bug it has. Loaded as ``broken_backends:<Class>`` with tests/ on
+the path (the tests put it there; from a checkout: ``PYTHONPATH=tests``)."""
 
 from __future__ import annotations
 

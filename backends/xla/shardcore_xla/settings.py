@@ -1,0 +1,160 @@
+"""``xla_fsdp_settings`` and the config keys as torch_xla keyword arguments: the checks, then the conversion.
+
+The checks (``check_*``) raise :class:`ShardConfigError` naming the key, the value and the fix; the
+backend runs them from ``validate`` / ``validate_model``, before ``apply``. The conversions
+(``*_kwargs``) take a config the checks accepted and raise nothing, so ``apply`` never meets a config
+error halfway through wrapping.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from shardcore.config import ShardConfig, dtype_name, show_value
+from shardcore.errors import ShardConfigError, UnknownKeyError
+
+# Set by shardcore from the plan, never by the user: accepting them would let a setting re-decide
+# the wrapping behind the plan's back.
+PLAN_OWNED = {"auto_wrap_policy", "auto_wrapper_callable"}
+# Callables cannot come from a JSON/YAML config.
+NOT_FROM_CONFIG = {"param_init_fn"}
+DTYPE_SETTINGS = {"compute_dtype", "buffer_dtype"}
+# What XLA FSDP on several CPU PJRT devices needs (see cpu.py): a pinned all_gather traces a different
+# graph per device, and only the serialized step end may sync
+CPU_NEEDS = {"pin_layout_in_collective_ops": False, "sync_on_finalization": False}
+
+
+# ---------------------------------------------------------------- checks (validate, validate_model)
+
+
+def fsdp_parameters() -> dict[str, inspect.Parameter]:
+    """``XlaFullyShardedDataParallel``'s public keyword arguments, from its signature."""
+    from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
+
+    params = inspect.signature(FSDP.__init__).parameters
+    return {n: p for n, p in params.items() if n not in ("self", "module") and not n.startswith("_")}
+
+
+def check_fsdp_settings(config: ShardConfig) -> None:
+    """``xla_fsdp_settings`` checked against ``XlaFullyShardedDataParallel``'s arguments, each value
+    against what the Trainer's conversion accepts."""
+    valid = fsdp_parameters()
+    settable = {n: p for n, p in valid.items() if n not in PLAN_OWNED | NOT_FROM_CONFIG}
+    for name, value in config.xla_fsdp_settings.items():
+        key = f"xla_fsdp_settings.{name}"
+        if name in PLAN_OWNED:
+            raise ShardConfigError(
+                key,
+                "is decided by shardcore's wrap plan. Use auto_wrap_policy / transformer_layer_cls_to_wrap / min_num_params.",
+            )
+        if name in NOT_FROM_CONFIG:
+            raise ShardConfigError(key, "takes a Python callable, which a config cannot hold. Remove it.")
+        if name not in settable:
+            raise UnknownKeyError(
+                key, [f"xla_fsdp_settings.{n}" for n in settable], where="XlaFullyShardedDataParallel arguments"
+            )
+        _check_value(key, value, settable[name].default)
+    own = config.xla_fsdp_settings.get("reshard_after_forward")
+    if (
+        "reshard_after_forward" in config.xla_fsdp_settings
+        and "reshard_after_forward" in config.explicit
+        and own != config.reshard_after_forward
+    ):
+        raise ShardConfigError(
+            "xla_fsdp_settings.reshard_after_forward",
+            f"is {own} but reshard_after_forward is {config.reshard_after_forward}. Keep one.",
+        )
+
+
+def check_spmd_settings(config: ShardConfig) -> None:
+    if config.xla_fsdp_settings:
+        name = next(iter(config.xla_fsdp_settings))
+        raise ShardConfigError(
+            f"xla_fsdp_settings.{name}",
+            "is an XlaFullyShardedDataParallel argument; SPMD FSDPv2 (xla_fsdp_v2: true) takes none of "
+            "them (the Trainer does not pass them either). Remove xla_fsdp_settings or set xla_fsdp_v2: false.",
+        )
+    if not config.reshard_after_forward:
+        raise ShardConfigError(
+            "reshard_after_forward",
+            "is false, but SPMD FSDPv2 has no such setting (the XLA compiler schedules the gathers). "
+            "Remove it or set xla_fsdp_v2: false.",
+        )
+
+
+def check_cpu_fsdp_settings(config: ShardConfig) -> None:
+    """XLA FSDP on several CPU devices: refuse the settings the CPU recipe cannot honour. It needs the
+    device count, so ``validate_model`` runs it (every device reaches the same verdict from the config)."""
+    for name, needed in CPU_NEEDS.items():
+        if name in config.xla_fsdp_settings and config.xla_fsdp_settings[name] != needed:
+            raise ShardConfigError(
+                f"xla_fsdp_settings.{name}",
+                f"is {config.xla_fsdp_settings[name]!r}, but XLA FSDP on several CPU PJRT devices needs {needed} "
+                "(torch_xla 2.9's CPU collectives meet only when every device thread runs the same compiled module; "
+                f"see the README's XLA section). Remove {name} or run on one CPU device or a TPU.",
+            )
+
+
+def _check_value(key: str, value: Any, default: Any) -> None:
+    name = key.rsplit(".", 1)[1]
+    if name in DTYPE_SETTINGS:
+        dtype_name(key, value)  # raises for a name that is not a dtype
+        return
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ShardConfigError(key, f"must be true or false, got {show_value(value)}.")
+        return
+    if name in ("sharding_rank", "sharding_world_size", "reduce_scatter_bucket_size_mb") or isinstance(default, int):
+        if value is None and default is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**31:
+            raise ShardConfigError(key, f"must be a non-negative integer below 2**31, got {show_value(value)}.")
+        return
+    if name == "sharding_groups":
+        if value is None:
+            return
+        if not (
+            isinstance(value, list)
+            and value
+            and all(
+                isinstance(g, list) and g and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in g)
+                for g in value
+            )
+        ):
+            raise ShardConfigError(key, f"must be a list of lists of device ordinals, got {show_value(value)}.")
+        return
+    raise ShardConfigError(key, f"cannot be set from a config (value {show_value(value)}).")  # pragma: no cover
+
+
+# ---------------------------------------------------------------- conversions (apply)
+
+
+def fsdp_kwargs(config: ShardConfig) -> dict[str, Any]:
+    """``XlaFullyShardedDataParallel``'s keyword arguments from a config :func:`check_fsdp_settings`
+    accepted, converted as the Trainer converts them (``compute_dtype``/``buffer_dtype`` names become
+    torch dtypes)."""
+    out = {name: _convert(name, value) for name, value in config.xla_fsdp_settings.items()}
+    out.setdefault("reshard_after_forward", config.reshard_after_forward)
+    return out
+
+
+def spmd_kwargs(config: ShardConfig) -> dict[str, Any]:
+    """``SpmdFullyShardedDataParallel``'s keyword arguments: none (:func:`check_spmd_settings`)."""
+    return {}
+
+
+def cpu_fsdp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` for XLA FSDP on several CPU devices: unpinned collective layouts (a pinned
+    all_gather traces a different graph per device), and no sync inside backward (only the
+    serialized step end may sync: ``sync_on_finalization`` is false by default, and
+    :func:`check_cpu_fsdp_settings` refuses true)."""
+    return {**kwargs, "pin_layout_in_collective_ops": False}
+
+
+def _convert(name: str, value: Any) -> Any:
+    if name in DTYPE_SETTINGS and value is not None:
+        import torch
+
+        return getattr(torch, dtype_name(name, value))
+    return value

@@ -1,0 +1,192 @@
+"""Checkpoints: one backend-neutral API, two formats.
+
+``FULL_STATE_DICT``
+    One unsharded state dict with the model's original parameter names, gathered to rank 0 and
+    written as ``model.safetensors`` (no pickle). A Hugging Face model also gets its
+    ``config.json`` (and ``generation_config.json``), so the directory is what ``save_pretrained``
+    writes and ``AutoModelForCausalLM.from_pretrained(path)`` loads it on one device. Optimizer
+    state, keyed by parameter name, goes to ``optimizer.safetensors`` (tensors) and
+    ``optimizer.json`` (the rest). Tied weights are stored once, as ``save_pretrained`` does.
+    Any backend (or plain PyTorch) reads and writes this format.
+
+``SHARDED_STATE_DICT``
+    ``torch.distributed.checkpoint`` (DCP): every rank writes its own shards; a later run may have
+    another world size. It loads only into a sharded model; save FULL to share a model.
+
+Both are directories with a ``shardcore.json`` manifest, written last. A save goes into a
+temporary sibling directory and is renamed into place only after every rank has finished, so a
+process that dies in the middle of a save leaves the previous checkpoint as it was.
+
+This module is the recipe; each step lives with its concern: :mod:`.runtime` (which backend does
+the collective work), :mod:`.atomic` (replacing a directory in one step), :mod:`.manifest`,
+:mod:`.full` (the safetensors files) and :mod:`.keys` (does the checkpoint fit the model).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import CheckpointError
+from . import atomic, full, keys, manifest
+from .full import OPTIMIZER_META, OPTIMIZER_TENSORS, WEIGHTS, WEIGHTS_INDEX
+from .keys import DCP_METADATA, SHARD_INDEX, tied_names
+from .manifest import FORMAT_VERSION, MANIFEST
+from .pretrained import from_pretrained
+from .runtime import FULL, SHARDED, LocalRuntime, on_rank0, resolve_state_dict_type, runtime_of, sharded_checkpoints
+
+__all__ = [
+    "DCP_METADATA",
+    "FORMAT_VERSION",
+    "FULL",
+    "MANIFEST",
+    "OPTIMIZER_META",
+    "OPTIMIZER_TENSORS",
+    "SHARDED",
+    "SHARD_INDEX",
+    "WEIGHTS",
+    "WEIGHTS_INDEX",
+    "LocalRuntime",
+    "from_pretrained",
+    "load",
+    "save",
+    "tied_names",
+]
+
+log = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------------ save
+
+
+def save(
+    model: nn.Module,
+    path: str | os.PathLike,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    state_dict_type: str | None = None,
+) -> Path:
+    """Save ``model`` (and ``optimizer``) to the directory ``path``. Collective: call on every rank.
+
+    The format is ``state_dict_type`` if given, else the config's ``state_dict_type`` (a model not
+    sharded by shardcore saves FULL). An existing shardcore checkpoint at ``path`` is replaced
+    atomically once the new one is complete; anything else at ``path`` is never touched.
+    """
+    runtime, cfg = runtime_of(model)
+    kind = resolve_state_dict_type(state_dict_type, cfg)
+    if kind == SHARDED and cfg is None:
+        raise CheckpointError(
+            f"shardcore.save({str(path)!r}): state_dict_type SHARDED_STATE_DICT needs a model returned by "
+            f"shardcore.shard(), got an unsharded {type(model).__name__}. Save FULL_STATE_DICT instead."
+        )
+    world = runtime.world()
+    final = Path(path)
+    tmp = Path(on_rank0(runtime, lambda: str(atomic.prepare_destination(final))))
+    try:
+        meta = manifest.build_manifest(model, kind, world, runtime, optimizer is not None)
+        if kind == FULL:
+            _save_full(runtime, model, optimizer, tmp, final, meta)
+        else:
+            _save_sharded(runtime, model, optimizer, path, tmp, final, meta)
+    except BaseException:
+        if world.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("shardcore: saved %s checkpoint to %s", kind, final)
+    return final
+
+
+def _save_full(runtime: Any, model: nn.Module, optimizer: Any, tmp: Path, final: Path, meta: dict[str, Any]) -> None:
+    """Gather on every rank (a collective), write on rank 0."""
+    state = runtime.full_state_dict(model)
+    osd = runtime.full_optimizer_state_dict(model, optimizer) if optimizer is not None else None
+
+    def write() -> None:
+        full.write_full(tmp, model, state, osd)
+        _finish(tmp, final, model, meta)
+
+    on_rank0(runtime, write)
+
+
+def _save_sharded(
+    runtime: Any, model: nn.Module, optimizer: Any, path: Any, tmp: Path, final: Path, meta: dict[str, Any]
+) -> None:
+    """Every rank writes its own shards (a collective); then rank 0 finishes the directory."""
+    sharded_checkpoints(runtime, "save", path).save_sharded_state_dict(model, optimizer, str(tmp))
+    on_rank0(runtime, lambda: _finish(tmp, final, model, meta))
+
+
+def _finish(tmp: Path, final: Path, model: nn.Module, meta: dict[str, Any]) -> None:
+    """Rank 0, after the data is written: the manifest goes last, so only a complete directory has
+    one, and only then is it moved into place."""
+    full.write_hf_config(tmp, model)
+    manifest.write_manifest(tmp, meta)
+    atomic.commit(tmp, final)
+
+
+# ------------------------------------------------------------------------------------ load
+
+
+def load(
+    model: nn.Module,
+    path: str | os.PathLike,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> dict[str, Any]:
+    """Load a checkpoint into ``model`` (and ``optimizer``) in place. Collective: call on every rank.
+
+    ``path`` is a shardcore checkpoint (either format, detected from disk), a directory written by
+    ``save_pretrained`` (``model.safetensors`` or an index of safetensors shards), or a single
+    ``.safetensors`` file. For a sharded model, build the optimizer after ``shard()`` and before
+    ``load``. Returns the checkpoint's manifest (empty for a checkpoint not written by shardcore).
+    """
+    runtime, cfg = runtime_of(model)
+    src = atomic.resolve_checkpoint(path)
+    meta = manifest.read_manifest(src)
+    kind = meta.get("state_dict_type") or _detect_kind(src)
+    if kind == SHARDED:
+        _load_sharded(runtime, cfg, model, optimizer, path, src, meta)
+    else:
+        _load_full(runtime, model, optimizer, src)
+    log.info("shardcore: loaded %s checkpoint from %s", kind, src)
+    return meta
+
+
+def _detect_kind(src: Path) -> str:
+    """The format of a directory without a manifest (written by hand or by another tool)."""
+    return SHARDED if (src / DCP_METADATA).is_file() or (src / SHARD_INDEX).is_file() else FULL
+
+
+def _load_sharded(
+    runtime: Any, cfg: Any, model: nn.Module, optimizer: Any, path: Any, src: Path, meta: dict[str, Any]
+) -> None:
+    if cfg is None:
+        raise CheckpointError(
+            f"shardcore.load({str(path)!r}): this is a SHARDED_STATE_DICT checkpoint "
+            f"(torch.distributed.checkpoint, saved by {meta.get('world_size', '?')} ranks); it loads only "
+            f"into a model returned by shardcore.shard(), not into an unsharded {type(model).__name__}. "
+            "Shard the model first (any world size), or load it in a sharded run and save it again with "
+            "state_dict_type='FULL_STATE_DICT' to get a file any PyTorch or Transformers program reads."
+        )
+    sharded_checkpoints(runtime, "load", path)
+    keys.check_sharded(model, src, optimizer)
+    runtime.load_sharded_state_dict(model, optimizer, str(src))
+
+
+def _load_full(runtime: Any, model: nn.Module, optimizer: Any, src: Path) -> None:
+    """Every rank checks the file headers; only rank 0 reads tensors, and the backend spreads them."""
+    files = full.weight_files(src)
+    keys.check_keys(keys.expected_shapes(model), full.file_shapes(files), tied_names(model), str(src))
+    opt_files = full.optimizer_files(src, optimizer)
+    rank0 = runtime.world().rank == 0
+    state = full.read_weights(files, tied_names(model)) if rank0 else {}
+    runtime.load_full_state_dict(model, state)
+    del state  # rank 0 drops its copy of the weights before it reads the optimizer state
+    if optimizer is not None:
+        osd = full.read_optimizer(*opt_files) if rank0 else {}
+        runtime.load_full_optimizer_state_dict(model, optimizer, osd)

@@ -1,0 +1,194 @@
+"""The FULL format: what ``save_pretrained`` writes, so any PyTorch or Transformers program reads it.
+
+Everything is safetensors or JSON, never pickle, so loading a checkpoint from elsewhere runs no
+code from it. That is also why optimizer state is split into a tensors file and a JSON structure
+(:func:`_encode`), and why tied weights are stored once: ``save_pretrained`` does the same, and
+``from_pretrained`` expects it. Directories written by ``save_pretrained`` itself (one file or an
+index of shards) are read here too.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from ..errors import CheckpointError
+from .keys import DCP_METADATA, tied_names
+from .manifest import MANIFEST
+
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+OPTIMIZER_TENSORS = "optimizer.safetensors"
+OPTIMIZER_META = "optimizer.json"
+
+
+def _safetensors():
+    try:
+        import safetensors.torch as st
+        from safetensors import safe_open
+    except ImportError as e:
+        raise CheckpointError(
+            "FULL_STATE_DICT checkpoints are safetensors files: pip install safetensors (or 'shardcore[hf]')."
+        ) from e
+    return st, safe_open
+
+
+# ------------------------------------------------------------------------------------ writing
+
+
+def write_full(tmp: Path, model: nn.Module, state: dict[str, Any], osd: dict[str, Any] | None) -> None:
+    st, _ = _safetensors()
+    drop = tied_names(model)
+    tensors: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+    for k, v in state.items():
+        if k in drop:
+            continue
+        if not isinstance(v, torch.Tensor):
+            raise CheckpointError(
+                f"shardcore.save: state dict entry {k!r} is a {type(v).__name__}, not a tensor; safetensors stores "
+                "tensors only. Save this model with state_dict_type='SHARDED_STATE_DICT'."
+            )
+        v = v.detach().contiguous()
+        ptr = v.untyped_storage().data_ptr()
+        if ptr in storages:  # safetensors refuses tensors that share memory
+            v = v.clone()
+        storages.add(ptr)
+        tensors[k] = v
+    st.save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+    if osd is not None:
+        flat: dict[str, torch.Tensor] = {}
+        structure = _encode(osd, "", flat)
+        st.save_file(flat, str(tmp / OPTIMIZER_TENSORS), metadata={"format": "pt"})
+        (tmp / OPTIMIZER_META).write_text(json.dumps(structure))
+
+
+def _encode(obj: Any, prefix: str, flat: dict[str, torch.Tensor]) -> Any:
+    """Optimizer state as JSON, with its tensors moved into ``flat`` (one safetensors file)."""
+    if isinstance(obj, torch.Tensor):
+        key = prefix or "_"
+        flat[key] = obj.detach().cpu().contiguous()
+        return {"__tensor__": key}
+    if isinstance(obj, Mapping):
+        return {"__dict__": [[k, _encode(v, f"{prefix}/{k}", flat)] for k, v in obj.items()]}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_encode(v, f"{prefix}/{i}", flat) for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [_encode(v, f"{prefix}/{i}", flat) for i, v in enumerate(obj)]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise CheckpointError(
+        f"shardcore.save: optimizer state {prefix!r} is a {type(obj).__name__}, which a FULL checkpoint cannot "
+        "store without pickle. Use state_dict_type='SHARDED_STATE_DICT' for this optimizer."
+    )
+
+
+def write_hf_config(tmp: Path, model: nn.Module) -> None:
+    """``config.json`` (and ``generation_config.json``) of a Transformers model, as save_pretrained.
+
+    Both formats get it: a checkpoint then carries what rebuilds its model, whatever the format."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or not callable(getattr(cfg, "save_pretrained", None)):
+        return
+    cfg = copy.deepcopy(cfg)
+    cfg.architectures = [type(model).__name__]
+    cfg.save_pretrained(tmp)
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and callable(getattr(gen, "save_pretrained", None)):
+        gen.save_pretrained(tmp)
+
+
+# ------------------------------------------------------------------------------------ reading
+
+
+def weight_files(src: Path) -> list[Path]:
+    if src.is_file():
+        if src.suffix == ".safetensors":
+            return [src]
+        raise CheckpointError(
+            f"shardcore.load: {str(src)!r} is not a checkpoint: a file that is not .safetensors. Pass a directory "
+            "written by shardcore.save() or save_pretrained(), or a .safetensors file."
+        )
+    if (src / WEIGHTS).is_file():
+        return [src / WEIGHTS]
+    index = src / WEIGHTS_INDEX
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"shardcore.load: {str(index)!r} is not a safetensors index ({e}).") from None
+        files = [src / n for n in names]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"shardcore.load: {str(index)!r} names shards that are missing: {missing[:3]}.")
+        return files
+    found = sorted(p.name for p in src.iterdir())[:8] if src.is_dir() else []
+    hint = (
+        " (pytorch_model.bin is pickle; convert it with save_pretrained(safe_serialization=True))"
+        if (src / "pytorch_model.bin").exists()
+        else ""
+    )
+    raise CheckpointError(
+        f"shardcore.load: {str(src)!r} is not a checkpoint: it has no {MANIFEST}, {WEIGHTS}, {WEIGHTS_INDEX} or "
+        f"{DCP_METADATA} (found: {found or 'nothing'}){hint}. Pass a directory written by shardcore.save() or "
+        "save_pretrained()."
+    )
+
+
+def file_shapes(files: Iterable[Path]) -> dict[str, tuple[int, ...]]:
+    """Every key and shape in ``files``, from the headers only: checking them costs no tensor reads."""
+    _, safe_open = _safetensors()
+    out: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                for k in h.keys():
+                    out[k] = tuple(h.get_slice(k).get_shape())
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            raise CheckpointError(f"shardcore.load: {str(f)!r} is not a readable safetensors file ({e}).") from None
+    return out
+
+
+def read_weights(files: Iterable[Path], aliases: Mapping[str, str]) -> dict[str, torch.Tensor]:
+    st, _ = _safetensors()
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(st.load_file(str(f)))
+    for name, kept in aliases.items():  # a tied weight is stored once; the model wants every name
+        if name not in state and kept in state:
+            state[name] = state[kept]
+    return state
+
+
+def optimizer_files(src: Path, optimizer: Any) -> tuple[Path, Path]:
+    tensors, meta = src / OPTIMIZER_TENSORS, src / OPTIMIZER_META
+    if optimizer is not None and not (tensors.is_file() and meta.is_file()):
+        raise CheckpointError(
+            f"shardcore.load: an optimizer was passed but {str(src)!r} holds no optimizer state ({OPTIMIZER_META} "
+            "missing). Load without optimizer=, or save with shardcore.save(model, path, optimizer)."
+        )
+    return tensors, meta
+
+
+def read_optimizer(tensors: Path, meta: Path) -> dict[str, Any]:
+    st, _ = _safetensors()
+    return _decode(json.loads(meta.read_text()), st.load_file(str(tensors)))
+
+
+def _decode(obj: Any, flat: Mapping[str, torch.Tensor]) -> Any:
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return flat[obj["__tensor__"]]
+        if "__tuple__" in obj:
+            return tuple(_decode(v, flat) for v in obj["__tuple__"])
+        return {k: _decode(v, flat) for k, v in obj["__dict__"]}
+    if isinstance(obj, list):
+        return [_decode(v, flat) for v in obj]
+    return obj

@@ -1,0 +1,250 @@
+"""Per-key validation: each validator turns what a user may write for one key into the one form
+``ShardConfig`` holds, or raises a :class:`ShardConfigError` naming that key.
+
+``show_value`` and ``dtype_name`` are public because backends validate their own settings and must
+word their errors, and spell dtypes, the way shardcore does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any, Mapping
+
+from ..errors import ShardConfigError, UnknownKeyError
+from .schema import AUTO_WRAP_POLICIES, FIELD_NAMES, STATE_DICT_TYPES, MixedPrecision
+
+# Names users write for dtypes (accelerate's "bf16", torch's "bfloat16", "torch.bfloat16").
+_DTYPE_NAMES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float32": "float32",
+    "float": "float32",
+    "fp64": "float64",
+    "float64": "float64",
+}
+
+
+def show_value(value: Any, limit: int = 120) -> str:
+    """``repr`` for error messages (shardcore's and backends'), bounded: a 5000-digit int or a large nested value must not make
+    the message itself fail (Python refuses to print ints over 4300 digits) or run to megabytes."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 256:
+        return f"{'-' if value < 0 else ''}<integer of about {int(value.bit_length() * 0.30103)} digits>"
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a nested huge int, or an object with a broken __repr__
+        text = f"<unprintable {type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 5] + " ...>"
+
+
+def as_bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise ShardConfigError(key, f"must be true or false, got {show_value(value)} ({type(value).__name__}).")
+
+
+def _version(key: str, value: Any) -> int:
+    if isinstance(value, str) and value.strip().isdecimal():  # not isdigit: int("²") fails
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ShardConfigError(key, f"must be the integer 2, got {show_value(value)}.")
+    if value == 1:
+        raise ShardConfigError(
+            key,
+            "1 selects FSDP1, which shardcore does not support. Set version: 2 (accelerate: "
+            "fsdp_version: 2); FSDP1 keys such as sharding_strategy map to reshard_after_forward.",
+        )
+    if value != 2:
+        raise ShardConfigError(key, f"must be 2, got {show_value(value)}.")
+    return value
+
+
+def _backend(key: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise ShardConfigError(key, f"must be a backend name such as 'fsdp2' or 'xla', got {show_value(value)}.")
+    value = value.strip()
+    # a registered name, or "package.module:Class" (both halves dotted identifiers)
+    module, sep, attr = value.partition(":")
+    if sep:
+        ok = all(p.isidentifier() for p in module.split(".") + attr.split("."))
+    else:  # entry-point names may hold hyphens and dots
+        ok = re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*", value) is not None
+    if not ok:
+        raise ShardConfigError(
+            key,
+            f"{show_value(value)} is neither a backend name (such as 'fsdp2' or 'xla') nor a "
+            "'package.module:BackendClass' path.",
+        )
+    return value
+
+
+def _choice(choices: tuple[str, ...]):
+    def check(key: str, value: Any) -> str:
+        if isinstance(value, str) and value.strip().upper() in choices:
+            return value.strip().upper()
+        raise ShardConfigError(key, f"must be one of {', '.join(choices)}, got {show_value(value)}.")
+
+    return check
+
+
+def _reshard(key: str, value: Any) -> bool:
+    if isinstance(value, str) and value.strip().upper() in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"):
+        raise ShardConfigError(
+            key,
+            f"{show_value(value)} is an FSDP1 sharding strategy. With FSDP2 set true (like FULL_SHARD) or "
+            "false (like SHARD_GRAD_OP).",
+        )
+    return as_bool(key, value)
+
+
+def _class_list(key: str, value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        items = [v.strip() for v in value.split(",")]
+    elif isinstance(value, (list, tuple)):
+        items = []
+        for v in value:
+            if not isinstance(v, str):
+                raise ShardConfigError(
+                    key, f"must list class names as strings, got {show_value(v)} in {show_value(value)}."
+                )
+            items.append(v.strip())
+    else:
+        raise ShardConfigError(
+            key, f"must be a list of class names or a comma-separated string, got {show_value(value)}."
+        )
+    items = [v for v in items if v]
+    for v in items:
+        if not v.isidentifier():
+            raise ShardConfigError(key, f"{show_value(v)} is not a class name (in {show_value(value)}).")
+    return tuple(dict.fromkeys(items))
+
+
+def _min_num_params(key: str, value: Any) -> int:
+    if isinstance(value, str):
+        try:
+            value = float(value) if any(c in value for c in ".eE") else int(value)
+        except ValueError:
+            raise ShardConfigError(key, f"must be a non-negative integer, got {show_value(value)}.") from None
+    if isinstance(value, float) and math.isfinite(value) and value == int(value):
+        value = int(value)  # accelerate YAML often says 1e8
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ShardConfigError(key, f"must be a non-negative integer, got {show_value(value)}.")
+    return value
+
+
+def dtype_name(key: str, value: Any) -> str | None:
+    """The canonical name (``"bfloat16"``) of a dtype given as a ``torch.dtype`` or a string in any
+    spelling the ecosystem uses (``"bf16"``, ``"torch.bfloat16"``); None stays None. Anything else
+    is a :class:`ShardConfigError` naming ``key``. Backends use it for their own dtype settings."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        name = value.strip().lower().removeprefix("torch.")
+        if name in _DTYPE_NAMES:
+            return _DTYPE_NAMES[name]
+    else:
+        try:
+            import torch
+
+            if isinstance(value, torch.dtype):
+                return str(value).removeprefix("torch.")
+        except ImportError:  # pragma: no cover - torch is a dependency
+            pass
+    raise ShardConfigError(
+        key, f"{show_value(value)} is not a dtype. Use one of bf16, fp16, fp32 (or bfloat16, float16, float32)."
+    )
+
+
+def _mixed_precision(key: str, value: Any) -> MixedPrecision | None:
+    if value is None or value is False:
+        return None
+    if isinstance(value, str) and value.strip().lower() in ("no", "none", "false", ""):
+        return None
+    if isinstance(value, (str,)) or _is_torch_dtype(value):
+        # accelerate's mixed_precision: bf16 -> parameters and gradient reduction in bf16.
+        dt = dtype_name(key, value)
+        if dt == "float32":
+            return None
+        return MixedPrecision(param_dtype=dt, reduce_dtype=dt)
+    if isinstance(value, Mapping):
+        allowed = ("param_dtype", "reduce_dtype", "output_dtype", "buffer_dtype")
+        kwargs = {}
+        for k, v in value.items():
+            if k not in allowed:
+                raise UnknownKeyError(f"{key}.{k}", [f"{key}.{a}" for a in allowed[:3]])
+            if k == "buffer_dtype":
+                raise ShardConfigError(
+                    f"{key}.buffer_dtype",
+                    "FSDP2 does not cast buffers; remove it (cast buffers on the model yourself).",
+                )
+            kwargs[k] = dtype_name(f"{key}.{k}", v)
+        return MixedPrecision(**kwargs)
+    raise ShardConfigError(
+        key, f"must be 'no', 'bf16', 'fp16' or a mapping of param_dtype/reduce_dtype, got {show_value(value)}."
+    )
+
+
+def _is_torch_dtype(value: Any) -> bool:
+    return type(value).__name__ == "dtype" and type(value).__module__ == "torch"
+
+
+def _xla_settings(key: str, value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise ShardConfigError(
+                key, f"must be a mapping of XlaFullyShardedDataParallel arguments, got {show_value(value)}."
+            ) from None
+    if not isinstance(value, Mapping):
+        raise ShardConfigError(
+            key, f"must be a mapping of XlaFullyShardedDataParallel arguments, got {show_value(value)}."
+        )
+    for k in value:
+        if not isinstance(k, str):
+            raise ShardConfigError(f"{key}.{show_value(k)}", "setting names must be strings.")
+    # Which names and values are valid is the XLA backend's business (it knows the class).
+    return dict(value)
+
+
+def _timeout(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ShardConfigError(key, f"must be a number of seconds, got {show_value(value)}.")
+    if value <= 0 or value > 7 * 24 * 3600 or not math.isfinite(value):  # huge ints: no float()
+        raise ShardConfigError(key, f"must be a positive number of seconds up to a week, got {show_value(value)}.")
+    return float(value)
+
+
+VALIDATORS = {
+    "version": _version,
+    "backend": _backend,
+    "reshard_after_forward": _reshard,
+    "auto_wrap_policy": _choice(AUTO_WRAP_POLICIES),
+    "transformer_layer_cls_to_wrap": _class_list,
+    "min_num_params": _min_num_params,
+    "cpu_offload": as_bool,
+    "state_dict_type": _choice(STATE_DICT_TYPES),
+    "cpu_ram_efficient_loading": as_bool,
+    "activation_checkpointing": as_bool,
+    "mixed_precision": _mixed_precision,
+    "xla": as_bool,
+    "xla_fsdp_v2": as_bool,
+    "xla_fsdp_settings": _xla_settings,
+    "xla_fsdp_grad_ckpt": as_bool,
+    "timeout": _timeout,
+}
+# A field without a validator would surface as a KeyError in the parser instead of a ShardConfigError.
+assert set(VALIDATORS) == FIELD_NAMES

@@ -1,0 +1,126 @@
+"""What a valid config *is*: the frozen dataclasses, every key's accepted spellings, and the FSDP1
+keys refused by name. This module imports nothing else of the package, so the readers and validators
+can all build on it without an import cycle."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+AUTO_WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
+STATE_DICT_TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT")
+
+# FSDP1 keys of TrainingArguments/accelerate. They are known, so they get a precise message instead
+# of a did-you-mean, but FSDP2 has no such setting, so accepting them would silently ignore them.
+FSDP1_ONLY_KEYS = {
+    "backward_prefetch": "FSDP2 always prefetches the next all-gather in backward",
+    "forward_prefetch": "FSDP2 has no forward prefetch setting",
+    "limit_all_gathers": "FSDP2 limits in-flight all-gathers itself",
+    "use_orig_params": "FSDP2 always keeps the original parameters",
+    "sync_module_states": "use cpu_ram_efficient_loading to broadcast rank 0's weights",
+    "sharding_strategy": "use reshard_after_forward (true = FULL_SHARD, false = SHARD_GRAD_OP)",
+    "forward_prefetch_limit": "FSDP2 has no forward prefetch setting",
+}
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """FSDP2 ``MixedPrecisionPolicy`` in backend-neutral form (dtype names, not torch objects)."""
+
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+    output_dtype: str | None = None
+
+    def torch_dtypes(self) -> dict[str, Any]:
+        import torch
+
+        return {k: (getattr(torch, v) if v is not None else None) for k, v in dataclasses.asdict(self).items()}
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    """Validated sharding settings. Build it with :func:`parse_config`, not by hand.
+
+    ``explicit`` is the set of keys the user wrote; backends are checked against keys whose value
+    differs from the default, so a ``TrainingArguments`` that fills in ``xla: False`` everywhere still
+    works with FSDP2.
+    """
+
+    version: int = 2
+    backend: str | None = None
+    reshard_after_forward: bool = True
+    auto_wrap_policy: str = "TRANSFORMER_BASED_WRAP"
+    transformer_layer_cls_to_wrap: tuple[str, ...] = ()
+    min_num_params: int = 0
+    cpu_offload: bool = False
+    state_dict_type: str = "FULL_STATE_DICT"
+    cpu_ram_efficient_loading: bool = False
+    activation_checkpointing: bool = False
+    mixed_precision: MixedPrecision | None = None
+    xla: bool = False
+    xla_fsdp_v2: bool = False
+    xla_fsdp_settings: Mapping[str, Any] = field(default_factory=dict)
+    xla_fsdp_grad_ckpt: bool = False
+    timeout: float = 1800.0
+    explicit: frozenset[str] = field(default_factory=frozenset, compare=False, repr=False)
+
+    @property
+    def backend_name(self) -> str:
+        """The backend this config selects: ``backend`` if given, ``xla`` if ``xla: true``, else FSDP2."""
+        if self.backend is not None:
+            return self.backend
+        return "xla" if self.xla else "fsdp2"
+
+    def non_default_keys(self) -> list[str]:
+        """Keys whose value differs from the default: what a backend must be able to honour."""
+        defaults = ShardConfig()
+        return [
+            f.name
+            for f in dataclasses.fields(self)
+            if f.name not in ("explicit", "version", "backend") and getattr(self, f.name) != getattr(defaults, f.name)
+        ]
+
+    def replace(self, **changes: Any) -> "ShardConfig":
+        """A new validated config with ``changes`` applied (same rules as :func:`parse_config`)."""
+        from . import parse_config  # the parser needs this class, so it can only be reached at call time
+
+        raw = self.to_dict()
+        raw.update(changes)
+        return parse_config(raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-dict form (JSON-serialisable) that :func:`parse_config` reads back unchanged."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if f.name == "explicit":
+                continue
+            v = getattr(self, f.name)
+            if isinstance(v, MixedPrecision):
+                v = {k: x for k, x in dataclasses.asdict(v).items() if x is not None}
+            elif isinstance(v, tuple):
+                v = list(v)
+            elif isinstance(v, Mapping):
+                v = dict(v)
+            out[f.name] = v
+        if out["backend"] is None:
+            del out["backend"]
+        if out["mixed_precision"] is None:
+            del out["mixed_precision"]
+        return out
+
+
+# Aliases: other spellings of a key, mapped to the canonical name.
+KEY_ALIASES = {
+    "offload_params": "cpu_offload",  # accelerate's fsdp_offload_params
+    "mixed_precision_policy": "mixed_precision",  # accelerate's FullyShardedDataParallelPlugin field
+    "activation_checkpointing": "activation_checkpointing",
+    "xla_fsdp_config": "xla_fsdp_settings",
+}
+
+FIELD_NAMES = {f.name for f in dataclasses.fields(ShardConfig)} - {"explicit"}
+
+
+def known_keys() -> set[str]:
+    """Every key a config dict may hold (canonical names and aliases, without ``fsdp_`` prefixes)."""
+    return FIELD_NAMES | set(KEY_ALIASES)

@@ -1,0 +1,161 @@
+"""Reading each config source into a raw dict of keys as the user wrote them.
+
+Readers translate a source's own conventions (accelerate's top-level ``mixed_precision``, the
+Trainer's ``bf16``/``fsdp`` flags) and check only what belongs to the source itself (the YAML's
+top-level keys and ``distributed_type``, a Trainer flag clashing with ``fsdp_config``). The config
+keys are left as written, so every source goes through the same rules in :mod:`.fields` and a given
+mistake gets the same message whichever source it came from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..errors import ShardConfigError, UnknownKeyError
+from .fields import as_bool, show_value
+from .schema import ShardConfig
+
+# Top-level keys of an accelerate config YAML that configure the launcher, not sharding. They are
+# accepted (the same file drives `accelerate launch`) but do not change how a model is sharded.
+_ACCELERATE_LAUNCHER_KEYS = {
+    "compute_environment",
+    "debug",
+    "distributed_type",
+    "downcast_bf16",
+    "dynamo_config",
+    "enable_cpu_affinity",
+    "gpu_ids",
+    "machine_rank",
+    "main_process_ip",
+    "main_process_port",
+    "main_training_function",
+    "megatron_lm_config",
+    "mixed_precision",
+    "num_machines",
+    "num_processes",
+    "rdzv_backend",
+    "same_network",
+    "tpu_env",
+    "tpu_use_cluster",
+    "tpu_use_sudo",
+    "use_cpu",
+    "fsdp_config",
+    "parallelism_config",
+}
+
+
+def load_source(source: Any) -> dict[str, Any]:
+    """The keys ``source`` holds, as written: names and values are checked later, by one set of rules."""
+    if source is None:
+        return {}
+    if isinstance(source, ShardConfig):
+        return source.to_dict()
+    if isinstance(source, Mapping):
+        return dict(source)
+    if isinstance(source, (str, os.PathLike)):
+        return _load_file(Path(source))
+    if _is_training_arguments(source):
+        return _from_training_arguments(source)
+    raise ShardConfigError(
+        "config",
+        f"cannot read a config from a {type(source).__name__}. Pass a dict, a path to a JSON or "
+        "accelerate YAML file, a transformers.TrainingArguments or a ShardConfig.",
+    )
+
+
+def _load_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ShardConfigError("config", f"{str(path)!r} is not a file. Pass an existing JSON or YAML config path.")
+    text = path.read_text()
+    if path.suffix.lower() in (".yaml", ".yml"):
+        return _from_accelerate_yaml(text, path)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ShardConfigError(
+            "config", f"{str(path)!r} is not valid JSON ({e}). Fix the file or use a .yaml file."
+        ) from None
+    if not isinstance(data, dict):
+        raise ShardConfigError("config", f"{str(path)!r} holds a {type(data).__name__}, not a JSON object of keys.")
+    return data
+
+
+def _from_accelerate_yaml(text: str, path: Path) -> dict[str, Any]:
+    import yaml
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ShardConfigError("config", f"{str(path)!r} is not valid YAML ({e}).") from None
+    if not isinstance(data, dict):
+        raise ShardConfigError("config", f"{str(path)!r} holds no YAML mapping of keys.")
+    for key in data:
+        if key not in _ACCELERATE_LAUNCHER_KEYS:
+            raise UnknownKeyError(str(key), _ACCELERATE_LAUNCHER_KEYS, where=f"accelerate config {path}")
+    dist_type = data.get("distributed_type")
+    if dist_type is not None and str(dist_type).upper() not in ("FSDP", "XLA"):
+        raise ShardConfigError(
+            "distributed_type",
+            f"{show_value(dist_type)} in {path} does not shard parameters. Set distributed_type: FSDP "
+            "(or XLA for torch_xla) to use this file with shardcore.",
+        )
+    fsdp = data.get("fsdp_config")
+    if fsdp is None:
+        fsdp = {}
+    if not isinstance(fsdp, dict):
+        raise ShardConfigError("fsdp_config", f"must be a mapping of fsdp_ keys, got {show_value(fsdp)}.")
+    raw = dict(fsdp)
+    if "fsdp_version" not in raw and "version" not in raw:
+        # accelerate's own default is FSDP1; we refuse it explicitly rather than guess.
+        raw["version"] = 1
+    mp = data.get("mixed_precision")
+    if mp is not None and "mixed_precision" not in raw and "fsdp_mixed_precision" not in raw:
+        raw["mixed_precision"] = mp
+    if dist_type is not None and str(dist_type).upper() == "XLA":
+        raw.setdefault("xla", True)
+    return raw
+
+
+def _is_training_arguments(obj: Any) -> bool:
+    return any(c.__name__ == "TrainingArguments" for c in type(obj).__mro__)
+
+
+def _from_training_arguments(args: Any) -> dict[str, Any]:
+    """What the Trainer does with ``fsdp``, ``fsdp_config``, precision and timeout flags."""
+    fsdp_config = getattr(args, "fsdp_config", None)
+    if isinstance(fsdp_config, (str, os.PathLike)):
+        raw = _load_file(Path(fsdp_config))
+    else:
+        raw = dict(fsdp_config or {})
+    # Older Transformers took `fsdp="full_shard offload"`; newer ones fold those options into
+    # fsdp_config in __post_init__ and leave `fsdp=True`.
+    options = getattr(args, "fsdp", None)
+    if isinstance(options, str):
+        options = options.split()
+    names = {getattr(o, "value", o) for o in options} if isinstance(options, (list, tuple)) else set()
+    if "offload" in names:
+        raw.setdefault("cpu_offload", True)
+    if "shard_grad_op" in names:
+        raw.setdefault("reshard_after_forward", False)
+    if getattr(args, "bf16", False):
+        raw.setdefault("mixed_precision", "bf16")
+    elif getattr(args, "fp16", False):
+        raw.setdefault("mixed_precision", "fp16")
+    timeout = getattr(args, "ddp_timeout", None)
+    if timeout is not None:
+        raw.setdefault("timeout", timeout)
+    trainer_ckpt = getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", None)
+    fsdp_ckpt = raw.get("activation_checkpointing", raw.get("fsdp_activation_checkpointing"))
+    if trainer_ckpt and fsdp_ckpt is not None and as_bool("activation_checkpointing", fsdp_ckpt):
+        raise ShardConfigError(
+            "activation_checkpointing",
+            "is true in fsdp_config and the TrainingArguments activation_checkpointing (or "
+            "gradient_checkpointing) flag is also true; setting both raises an error (Transformers "
+            "FSDP guide). Keep fsdp_config's activation_checkpointing only.",
+        )
+    # Trainer fills its own defaults into fsdp_config (e.g. min_num_params 0, xla False); those that
+    # equal ours are harmless, the rest are validated like any user key.
+    return raw

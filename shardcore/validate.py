@@ -1,0 +1,117 @@
+"""Every check of a config against a model and a backend, in one place, before anything is sharded.
+
+:func:`shardcore.shard` runs :func:`validate` after it has parsed the config, picked the backend
+(which refuses keys it does not support) and built the wrap plan, and before ``Backend.apply``. So
+``apply`` gets a config it can carry out and never raises :class:`ShardConfigError`; a model is never
+left half sharded by a config mistake. Backends extend the checks through two capabilities:
+:class:`~shardcore.capabilities.ConfigValidation` (the config alone, no devices or other ranks) and
+:class:`~shardcore.capabilities.ModelValidation` (this model, and the other ranks' models through
+collectives, ending in one verdict on every rank with :func:`agree`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from torch import nn
+
+from .capabilities import ConfigValidation, ModelValidation
+from .config import ShardConfig
+from .errors import ShardConfigError
+from .plan import WrapPlan
+
+#: name -> (shape, dtype name) of every parameter and buffer, tied ones under each name
+Layout = dict[str, tuple[tuple[int, ...], str]]
+
+
+def validate(model: nn.Module, plan: WrapPlan, config: ShardConfig, backend: Any) -> None:
+    """Raise :class:`ShardConfigError` (naming the key, the value and the fix) for anything that
+    ``backend.apply(model, plan, config)`` could not carry out."""
+    check_checkpointing_not_twice(model, config)
+    check_units_to_checkpoint(plan, config)
+    if isinstance(backend, ConfigValidation):
+        backend.validate(config)
+    if isinstance(backend, ModelValidation):
+        backend.validate_model(model, plan, config)
+
+
+def _checkpointing_key(config: ShardConfig) -> str | None:
+    if config.activation_checkpointing:
+        return "activation_checkpointing"
+    return "xla_fsdp_grad_ckpt" if config.xla_fsdp_grad_ckpt else None
+
+
+def check_checkpointing_not_twice(model: nn.Module, config: ShardConfig) -> None:
+    """Transformers refuses its own gradient checkpointing on top of FSDP's (its FSDP guide)."""
+    key = _checkpointing_key(config)
+    # Transformers 5 renamed is_gradient_checkpointing; read the old name only where the new is absent
+    attr = (
+        "is_activation_checkpointing" if hasattr(model, "is_activation_checkpointing") else "is_gradient_checkpointing"
+    )
+    if key and getattr(model, attr, False) is True:
+        raise ShardConfigError(
+            key,
+            f"is true but {type(model).__name__} already has gradient checkpointing enabled "
+            "(gradient_checkpointing_enable()); setting both raises an error (Transformers FSDP "
+            f"guide). Call model.gradient_checkpointing_disable() or drop {key}.",
+        )
+
+
+def check_units_to_checkpoint(plan: WrapPlan, config: ShardConfig) -> None:
+    """Activation checkpointing recomputes units; a plan without units would silently do nothing."""
+    key = _checkpointing_key(config)
+    if key and not plan.units:
+        raise ShardConfigError(
+            key,
+            f"is true but auto_wrap_policy {config.auto_wrap_policy} gives no units to checkpoint. Use "
+            "TRANSFORMER_BASED_WRAP or SIZE_BASED_WRAP, or drop the key.",
+        )
+
+
+def layout(model: nn.Module) -> Layout:
+    """What must agree between ranks for rank 0's weights to fill every rank's shards."""
+    tensors = {
+        **dict(model.named_parameters(remove_duplicate=False)),
+        **dict(model.named_buffers(remove_duplicate=False)),
+    }
+    return {k: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for k, t in tensors.items()}
+
+
+def has_meta_tensors(model: nn.Module) -> bool:
+    return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+
+
+def check_rank0_weights(
+    model: nn.Module,
+    rank: int,
+    broadcast_object: Callable[[Any], Any],
+    all_gather_object: Callable[[Any], list[Any]],
+) -> Layout:
+    """``cpu_ram_efficient_loading`` on several ranks: rank 0 holds real weights and every rank's
+    model has rank 0's names and shapes (the others may be on the meta device). Collective: every
+    rank calls it, and every rank raises the same error. Returns rank 0's layout (its dtypes are the
+    ones every rank shards)."""
+    mine = layout(model)
+    rank0_meta, rank0_layout = broadcast_object((has_meta_tensors(model), mine))
+    problem = None
+    if rank0_meta:
+        problem = (
+            "is true but rank 0's model has tensors on the meta device. Rank 0 must hold the real weights "
+            "(from_pretrained there); the other ranks may build the model on the meta device."
+        )
+    elif {k: v[0] for k, v in mine.items()} != {k: v[0] for k, v in rank0_layout.items()}:
+        diff = sorted(set(mine.items()) ^ set(rank0_layout.items()))[:3]
+        problem = (
+            f"is true but rank {rank}'s model differs from rank 0's (names or shapes: {diff}). Build the same "
+            "model from the same config on every rank."
+        )
+    agree("cpu_ram_efficient_loading", problem, all_gather_object)
+    return rank0_layout
+
+
+def agree(key: str, problem: str | None, all_gather_object: Callable[[Any], list[Any]]) -> None:
+    """One verdict on every rank: each rank passes its own problem (or None), and every rank
+    raises the first rank's problem if any rank has one, so no rank waits for a rank that raised."""
+    bad = next((p for p in all_gather_object(problem) if p), None)
+    if bad:
+        raise ShardConfigError(key, bad)

@@ -19,7 +19,7 @@ from torch import nn
 
 from .capabilities import check_backend
 from .config import ShardConfig
-from .errors import BackendNotFoundError, BackendUnavailableError, UnsupportedKeyError
+from .errors import BackendNotFoundError, BackendUnavailableError
 from .plan import WrapPlan
 
 log = logging.getLogger(__name__)
@@ -180,12 +180,7 @@ def resolve_backend(config: ShardConfig, override: str | Backend | None = None) 
         raise BackendUnavailableError(
             f"shardcore backend {backend.name!r} is not available: {reason}. Install it with: {backend.install_hint}"
         )
-    unsupported = [k for k in config.non_default_keys() if k not in backend.supported_keys]
-    if unsupported:
-        key = unsupported[0]
-        raise UnsupportedKeyError(
-            key,
-            f"{getattr(config, key)!r} is not supported by the {backend.name!r} backend (unsupported "
-            f"here: {', '.join(unsupported)}). Remove the key or pick a backend that supports it.",
-        )
+    from .validate import check_supported_keys  # the checks live in one module; it imports this one
+
+    check_supported_keys(config, backend)
     return backend

@@ -15,6 +15,7 @@ from .backend import available_backends
 from .config import parse_config
 from .errors import ShardcoreError
 from .plan import build_plan, estimate_memory
+from .validate import data_parallel_shape
 
 
 def load_model(spec: str) -> nn.Module:
@@ -61,7 +62,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = parse_config(args.config)
     model = load_model(args.model)
     plan = build_plan(model, cfg)
-    est = estimate_memory(model, args.world_size)
+    # under HSDP each replica group holds one whole copy, sharded over dp_shard_size ranks
+    replicas, shards = data_parallel_shape(cfg, args.world_size)
+    est = estimate_memory(model, shards)
     if args.json:
         print(
             json.dumps(
@@ -70,6 +73,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     "policy": plan.policy,
                     "units": [{"path": u.path, "class": u.cls, "num_params": u.num_params} for u in plan.all_units()],
                     "world_size": args.world_size,
+                    "dp_replicate_size": replicas,
+                    "dp_shard_size": shards,
                     "per_rank_bytes": {
                         "params": est.param_bytes,
                         "grads": est.grad_bytes,
@@ -85,7 +90,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"backend: {cfg.backend_name}")
     print(plan.describe())
     print()
-    print(f"estimated bytes per rank at world size {args.world_size} (largest shard, rank 0):")
+    mesh = f", dp_replicate {replicas} x dp_shard {shards}" if replicas > 1 else ""
+    print(f"estimated bytes per rank at world size {args.world_size}{mesh} (largest shard, rank 0):")
     print(f"  params      {_fmt_bytes(est.param_bytes):>12}")
     print(f"  grads       {_fmt_bytes(est.grad_bytes):>12}")
     print(f"  AdamW state {_fmt_bytes(est.optim_bytes):>12}")

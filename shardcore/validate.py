@@ -17,7 +17,7 @@ from torch import nn
 
 from .capabilities import ConfigValidation, ModelValidation
 from .config import ShardConfig
-from .errors import ShardConfigError
+from .errors import ShardConfigError, UnsupportedKeyError
 from .plan import WrapPlan
 
 #: name -> (shape, dtype name) of every parameter and buffer, tied ones under each name
@@ -26,13 +26,53 @@ Layout = dict[str, tuple[tuple[int, ...], str]]
 
 def validate(model: nn.Module, plan: WrapPlan, config: ShardConfig, backend: Any) -> None:
     """Raise :class:`ShardConfigError` (naming the key, the value and the fix) for anything that
-    ``backend.apply(model, plan, config)`` could not carry out."""
+    ``backend.apply(model, plan, config)`` could not carry out. (:func:`check_supported_keys` has
+    run already, when the backend was resolved.)"""
     check_checkpointing_not_twice(model, config)
     check_units_to_checkpoint(plan, config)
     if isinstance(backend, ConfigValidation):
         backend.validate(config)
     if isinstance(backend, ModelValidation):
         backend.validate_model(model, plan, config)
+
+
+def check_supported_keys(config: ShardConfig, backend: Any) -> None:
+    """Nothing is silently ignored: a key set away from its default that the backend does not list
+    in ``supported_keys`` is refused. Runs when the backend is resolved, before the plan is built."""
+    unsupported = [k for k in config.non_default_keys() if k not in backend.supported_keys]
+    if unsupported:
+        key = unsupported[0]
+        raise UnsupportedKeyError(
+            key,
+            f"{getattr(config, key)!r} is not supported by the {backend.name!r} backend (unsupported "
+            f"here: {', '.join(unsupported)}). Remove the key or pick a backend that supports it.",
+        )
+
+
+def data_parallel_shape(config: ShardConfig, world_size: int) -> tuple[int, int]:
+    """``(dp_replicate_size, dp_shard_size)`` for ``world_size`` ranks, accelerate's meanings: both
+    unset is pure sharding over every rank; one set decides the other; both set must multiply to
+    the world size. Every rank computes the same answer, so every rank raises the same error."""
+    r, s = config.dp_replicate_size, config.dp_shard_size
+    if r is None and s is None:
+        return 1, world_size
+    given = "dp_replicate_size" if r is not None else "dp_shard_size"
+    if r is None or s is None:
+        if world_size % (r or s):
+            raise ShardConfigError(
+                given,
+                f"is {r or s} but the world size {world_size} is not a multiple of it, so no dp_replicate_size x "
+                f"dp_shard_size mesh covers the ranks. Use a divisor of {world_size}, or launch a multiple of "
+                f"{r or s} ranks.",
+            )
+        r, s = (r, world_size // r) if r is not None else (world_size // s, s)
+    if r * s != world_size:
+        raise ShardConfigError(
+            "dp_replicate_size",
+            f"is {r} and dp_shard_size is {s}, which make {r * s} ranks, but the world size is {world_size}. "
+            "Set them so that dp_replicate_size x dp_shard_size equals the number of ranks (or set only one).",
+        )
+    return r, s
 
 
 def _checkpointing_key(config: ShardConfig) -> str | None:

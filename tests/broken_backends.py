@@ -54,3 +54,19 @@ class LocalNormClippingBackend(FSDP2Backend):
         for g in local:
             g.mul_(coef)  # to_local() shares the shard's storage
         return total
+
+
+class SkipsReplicaAllReduceBackend(FSDP2Backend):
+    """HSDP whose replicas never all-reduce their gradients: each replica group trains on its own
+    ranks' rows only, and the replicas drift apart."""
+
+    name = "broken-no-replica-all-reduce"
+
+    def apply(self, model, plan, config):
+        from torch.distributed.fsdp import FSDPModule
+
+        model = super().apply(model, plan, config)
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_requires_all_reduce(False, recurse=False)
+        return model

@@ -109,6 +109,25 @@ def test_resume_is_bit_identical(resumed, fmt):
 
 
 @pytest.mark.multiprocess
+def test_hsdp_checkpoints_resume_into_other_layouts(tmp_path):
+    """4 ranks, HSDP 2x2 -> 1x4 -> 4x1, both formats: every load gives back exactly the parameters
+    and AdamW state the previous layout saved, and training goes on as a straight run would."""
+    torchrun(4, "hsdp_chain", str(tmp_path), timeout=420)
+    got = load_pt(tmp_path / "hsdp_chain.pt")
+    straight = got["straight"]
+    for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+        runs = got[kind]
+        assert [r["layout"] for r in runs] == [[2, 2], [1, 4], [4, 1]]
+        for before, after in zip(runs, runs[1:]):
+            assert_same_state(after["loaded"]["params"], before["saved"]["params"])
+            assert_same_state(after["loaded"]["optim"], before["saved"]["optim"])
+        losses = [x for r in runs for x in r["losses"]]
+        assert len(losses) == len(straight) == 6
+        for a, b in zip(losses, straight):  # other layouts reduce in another order: equal up to rounding
+            assert abs(a - b) <= 1e-5 * abs(b), (kind, losses, straight)
+
+
+@pytest.mark.multiprocess
 def test_full_checkpoint_is_from_pretrained_loadable(runs):
     from transformers import AutoModelForCausalLM
 

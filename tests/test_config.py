@@ -266,3 +266,88 @@ def test_non_default_keys_drive_backend_support():
     cfg = parse_config({"xla": False, "cpu_offload": False, "reshard_after_forward": False})
     assert cfg.non_default_keys() == ["reshard_after_forward"]
     assert ShardConfig().non_default_keys() == []
+
+
+# ------------------------------------------------------------------------------ HSDP (accelerate's ParallelismConfig)
+
+
+def test_hsdp_sizes_from_every_source(tmp_path):
+    from accelerate.parallelism_config import ParallelismConfig
+    from transformers import TrainingArguments
+
+    assert parse_config({}).dp_replicate_size is None and parse_config({}).dp_shard_size is None
+    cfg = parse_config({"dp_replicate_size": 2, "dp_shard_size": "4"})
+    assert (cfg.dp_replicate_size, cfg.dp_shard_size) == (2, 4)
+    nested = parse_config({"parallelism_config": {"parallelism_config_dp_replicate_size": 2, "tp_size": 1}})
+    assert nested.dp_replicate_size == 2 and nested.dp_shard_size is None
+    yaml_file = tmp_path / "a.yaml"
+    yaml_file.write_text(
+        "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\nparallelism_config:\n"
+        "  parallelism_config_dp_replicate_size: 2\n  parallelism_config_dp_shard_size: 2\n"
+        "  parallelism_config_tp_size: 1\n  parallelism_config_cp_size: 1\n  parallelism_config_cp_backend: torch\n"
+    )
+    assert (parse_config(yaml_file).dp_replicate_size, parse_config(yaml_file).dp_shard_size) == (2, 2)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "o"),
+        fsdp="full_shard",
+        fsdp_config={"version": 2},
+        parallelism_config=ParallelismConfig(dp_replicate_size=2, dp_shard_size=3),
+    )
+    assert (parse_config(args).dp_replicate_size, parse_config(args).dp_shard_size) == (2, 3)
+
+
+@pytest.mark.parametrize(
+    "raw, key, fragment",
+    [
+        ({"dp_shard_size": 0}, "dp_shard_size", "positive integer"),
+        ({"dp_replicate_size": True}, "dp_replicate_size", "positive integer"),
+        ({"dp_replicate_size": 2.5}, "dp_replicate_size", "positive integer"),
+        ({"parallelism_config": {"parallelism_config_tp_size": 2}}, "parallelism_config.tp_size", "data-parallel only"),
+        ({"parallelism_config": {"cp_size": 4}}, "parallelism_config.cp_size", "data-parallel only"),
+        ({"parallelism_config": {"dp_replicat_size": 2}}, "parallelism_config.dp_replicat_size", "Did you mean"),
+        ({"parallelism_config": 3}, "parallelism_config", "must be a mapping"),
+    ],
+)
+def test_bad_hsdp_sizes_name_the_key(raw, key, fragment):
+    with pytest.raises(shardcore.ShardConfigError, match=fragment) as e:
+        parse_config(raw)
+    assert e.value.key == key
+
+
+@pytest.mark.parametrize(
+    "sizes, world, shape",
+    [
+        ((None, None), 4, (1, 4)),
+        ((2, None), 4, (2, 2)),
+        ((None, 1), 4, (4, 1)),
+        ((2, 2), 4, (2, 2)),
+        ((1, 4), 4, (1, 4)),
+    ],
+)
+def test_hsdp_shape_follows_accelerate(sizes, world, shape):
+    from shardcore.validate import data_parallel_shape
+
+    cfg = parse_config({"dp_replicate_size": sizes[0], "dp_shard_size": sizes[1]})
+    assert data_parallel_shape(cfg, world) == shape
+
+
+@pytest.mark.parametrize(
+    "sizes, key, fragment",
+    [
+        ((3, None), "dp_replicate_size", "world size 4 is not a multiple of it"),
+        ((2, 3), "dp_replicate_size", "make 6 ranks"),
+    ],
+)
+def test_hsdp_shape_that_does_not_factor_the_world_is_refused(sizes, key, fragment):
+    from shardcore.validate import data_parallel_shape
+
+    cfg = parse_config({"dp_replicate_size": sizes[0], "dp_shard_size": sizes[1]})
+    with pytest.raises(shardcore.ShardConfigError, match=fragment) as e:
+        data_parallel_shape(cfg, 4)
+    assert e.value.key == key and "dp_shard_size" in str(e.value)
+
+
+def test_a_backend_without_hsdp_refuses_its_keys():
+    with pytest.raises(shardcore.UnsupportedKeyError, match="dp_replicate_size") as e:
+        shardcore.shard(torch.nn.Linear(2, 2), {"xla": True, "dp_replicate_size": 2})
+    assert e.value.key == "dp_replicate_size" and "'xla' backend" in str(e.value)

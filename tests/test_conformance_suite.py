@@ -264,6 +264,8 @@ def test_cli_runs_cases_and_writes_the_report(tmp_path):
         ("broken_backends:SumGradsBackend", "grad_accum-mlp", "gradient norm differs at step 0"),
         ("broken_backends:WrongSliceBackend", "grad_accum-mlp", "loss differs at step 0"),
         ("broken_backends:LocalNormClippingBackend", "clip-llama", "clipping norm differs at step 0"),
+        # 2 replicas of 1 shard: each replica's rank trains on its own rows; without the all-reduce they drift
+        ("broken_backends:SkipsReplicaAllReduceBackend", "hsdp2x1-mlp", "loss differs at step 1"),
     ],
 )
 def test_cli_catches_broken_backends(tmp_path, backend, case, expected):
@@ -277,6 +279,26 @@ def test_cli_catches_broken_backends(tmp_path, backend, case, expected):
     doc = json.loads((tmp_path / "report.json").read_text())
     assert not doc["ok"] and any(expected in r for r in doc["cases"][0]["reasons"])
     assert "## Failures" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.multiprocess
+def test_hsdp_on_four_ranks_matches_and_a_missing_replica_all_reduce_is_caught(tmp_path):
+    """HSDP 2 replicas x 2 shards on 4 gloo ranks: every hsdp case (MLP, Llama, GPT-2, reshard off,
+    accumulation, clipping, SHARDED checkpoint, 4 x 1 replication) matches the single-device run;
+    the same 2x2 cases fail on a backend that skips the replica all-reduce."""
+    out = _run(
+        ["--backend", "fsdp2", "--world-size", "4", "--cases", "hsdp*", "--report", str(tmp_path / "ok"), "--no-plots"]
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    doc = json.loads((tmp_path / "ok" / "report.json").read_text())
+    names = {c["case"] for c in doc["cases"]}
+    assert {"hsdp2x2-llama", "hsdp2x2-grad_accum-llama", "hsdp2x2-clip-llama", "hsdp4x1-llama"} <= names, names
+    assert "hsdp2x2-llama-sharded_state_dict" in names and doc["ok"]
+    bad = _run(
+        ["--backend", "broken_backends:SkipsReplicaAllReduceBackend", "--world-size", "4"]
+        + ["--cases", "hsdp2x2-mlp,hsdp2x2-llama", "--report", str(tmp_path / "bad"), "--no-plots"]
+    )
+    assert bad.returncode == 1 and "FAIL: 0/2 cases passed" in bad.stdout, bad.stdout[-3000:] + bad.stderr[-3000:]
 
 
 @pytest.mark.multiprocess

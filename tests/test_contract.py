@@ -53,7 +53,13 @@ def test_every_in_tree_backend_is_an_instance_of_exactly_what_it_declares(name):
 
 def test_declared_capabilities_of_the_shipped_backends():
     names = lambda b: {c.__name__ for c in declared(shardcore.get_backend(b))}  # noqa: E731
-    assert names("fsdp2") == {"ShardedCheckpoints", "GradClipping", "GradSyncControl", "ModelValidation"}
+    assert names("fsdp2") == {
+        "ShardedCheckpoints",
+        "GradClipping",
+        "GradSyncControl",
+        "ModelValidation",
+        "GlobalGradSquares",
+    }
     assert names("backends_for_tests:PlainBackend") == set()
     if _with_xla():
         assert names("xla") == {

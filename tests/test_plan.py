@@ -176,3 +176,25 @@ def test_cli_conformance_forwards_to_the_suite(capsys):
     assert cli_main(["conformance", "--backend", "fsdp2", "--list", "--cases", "mlp-nowrap-*"]) == 0
     out = capsys.readouterr().out
     assert "mlp-nowrap-reshard1-ac0" in out and "llama" not in out
+
+
+def test_cli_plan_shows_per_rank_bytes_under_hsdp(tmp_path, capsys):
+    """2 replicas x 2 shards on 4 ranks: each rank holds half the model (one replica's shard), as
+    pure sharding over 2 ranks would, not the quarter of pure sharding over 4; an accelerate YAML
+    parallelism_config section says so."""
+    cfg = tmp_path / "a.yaml"
+    cfg.write_text(
+        "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n"
+        "parallelism_config:\n  parallelism_config_dp_replicate_size: 2\n  parallelism_config_tp_size: 1\n"
+    )
+    model = "shardcore_conformance.models:build_llama"
+    assert cli_main(["plan", "--config", str(cfg), "--model", model, "--world-size", "4", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["dp_replicate_size"], doc["dp_shard_size"]) == (2, 2)
+    assert doc["per_rank_bytes"]["total"] == estimate_memory(build_llama(), 2).total
+    assert doc["per_rank_bytes"]["total"] > estimate_memory(build_llama(), 4).total
+    assert cli_main(["plan", "--config", str(cfg), "--model", model, "--world-size", "4"]) == 0
+    assert "dp_replicate 2 x dp_shard 2" in capsys.readouterr().out
+    assert cli_main(["plan", "--config", str(cfg), "--model", model, "--world-size", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "dp_replicate_size" in err and "world size 3 is not a multiple of it" in err

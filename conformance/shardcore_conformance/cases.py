@@ -240,6 +240,8 @@ def _matrix(backend: Any, world_size: int = 2, dtype: str | None = None) -> list
         add("grad_accum-llama-reshard0", "llama", {"reshard_after_forward": False}, grad_accum=2, family="grad_accum")
     if _clips(backend):
         _clipping_cases(add, keys)
+    if {"dp_replicate_size", "dp_shard_size"} <= keys and world_size >= 2:
+        _hsdp_cases(add, keys, world_size, _clips(backend))
     add("lr_schedule-mlp", "mlp", {}, lr_schedule="warmup_cosine", family="lr_schedule")
     add("lr_schedule-gpt2", "gpt2", {}, lr_schedule="warmup_cosine", family="lr_schedule")
 
@@ -290,6 +292,35 @@ def _matrix(backend: Any, world_size: int = 2, dtype: str | None = None) -> list
                 )
             )
     return out
+
+
+def _hsdp_cases(add: Any, keys: frozenset[str], world_size: int, clips: bool) -> None:
+    """Hybrid sharding (accelerate's dp_replicate_size x dp_shard_size): 2 replicas of world/2
+    shards where the world splits so (2x2 on 4 ranks), and pure replication (world x 1). Every rank,
+    so every replica, trains on its own rows of the batch: a replica all-reduce that is missing or
+    wrong leaves the replicas apart and the case fails."""
+    shapes = [(world_size, 1)]
+    if world_size >= 4 and world_size % 2 == 0:
+        shapes.insert(0, (2, world_size // 2))
+    for r, sh in shapes:
+        mesh = {"dp_replicate_size": r, "dp_shard_size": sh}
+        tag = f"hsdp{r}x{sh}"
+        add(f"{tag}-mlp", "mlp", mesh, family="hsdp")
+        add(f"{tag}-llama", "llama", mesh, family="hsdp")
+        if r == 2:
+            if "reshard_after_forward" in keys:
+                add(f"{tag}-llama-reshard0", "llama", {**mesh, "reshard_after_forward": False}, family="hsdp")
+            add(f"{tag}-grad_accum-llama", "llama", mesh, grad_accum=2, family="hsdp")
+            if "state_dict_type" in keys:
+                add(
+                    f"{tag}-llama-sharded_state_dict",
+                    "llama",
+                    {**mesh, "state_dict_type": "SHARDED_STATE_DICT"},
+                    family="hsdp",
+                )
+            add(f"{tag}-gpt2", "gpt2", mesh, family="hsdp")
+            if clips:  # the norm is over the shards of one replica, not over every rank
+                add(f"{tag}-clip-llama", "llama", mesh, max_grad_norm=CLIP_NORM, family="hsdp")
 
 
 def _clips(backend: Any) -> bool:

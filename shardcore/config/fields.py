@@ -228,6 +228,17 @@ def _timeout(key: str, value: Any) -> float:
     return float(value)
 
 
+def _mesh_size(key: str, value: Any) -> int | None:
+    """A data-parallel mesh dimension: a positive integer (YAML and env-style strings accepted)."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 2**20:
+        raise ShardConfigError(key, f"must be a positive integer (a number of ranks), got {show_value(value)}.")
+    return value
+
+
 VALIDATORS = {
     "version": _version,
     "backend": _backend,
@@ -245,6 +256,8 @@ VALIDATORS = {
     "xla_fsdp_settings": _xla_settings,
     "xla_fsdp_grad_ckpt": as_bool,
     "timeout": _timeout,
+    "dp_replicate_size": _mesh_size,
+    "dp_shard_size": _mesh_size,
 }
 # A field without a validator would surface as a KeyError in the parser instead of a ShardConfigError.
 assert set(VALIDATORS) == FIELD_NAMES

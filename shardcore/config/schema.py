@@ -63,6 +63,10 @@ class ShardConfig:
     xla_fsdp_settings: Mapping[str, Any] = field(default_factory=dict)
     xla_fsdp_grad_ckpt: bool = False
     timeout: float = 1800.0
+    # accelerate's ParallelismConfig meanings: None = decided from the world size (both None: pure
+    # sharding over every rank); dp_replicate_size x dp_shard_size must equal the world size
+    dp_replicate_size: int | None = None
+    dp_shard_size: int | None = None
     explicit: frozenset[str] = field(default_factory=frozenset, compare=False, repr=False)
 
     @property

@@ -54,7 +54,10 @@ def load_source(source: Any) -> dict[str, Any]:
     if isinstance(source, ShardConfig):
         return source.to_dict()
     if isinstance(source, Mapping):
-        return dict(source)
+        raw = dict(source)
+        if "parallelism_config" in raw:  # accelerate's section, nested in a dict config
+            raw.update(parallelism_keys(raw.pop("parallelism_config"), "config"))
+        return raw
     if isinstance(source, (str, os.PathLike)):
         return _load_file(Path(source))
     if _is_training_arguments(source):
@@ -64,6 +67,48 @@ def load_source(source: Any) -> dict[str, Any]:
         f"cannot read a config from a {type(source).__name__}. Pass a dict, a path to a JSON or "
         "accelerate YAML file, a transformers.TrainingArguments or a ShardConfig.",
     )
+
+
+#: accelerate ParallelismConfig sizes shardcore does not do (it shards data-parallel only)
+_OTHER_PARALLELISM = ("tp_size", "cp_size", "sp_size")
+#: settings of those that accelerate writes even when they are off
+_INERT_PARALLELISM = ("cp_backend", "sp_backend", "tp_handler", "cp_handler", "device_mesh")
+
+
+def parallelism_keys(pc: Any, where: str) -> dict[str, Any]:
+    """``dp_replicate_size`` / ``dp_shard_size`` from accelerate's parallelism config: the YAML
+    section (``parallelism_config_``-prefixed keys), a dict, or a ``ParallelismConfig`` object
+    (``TrainingArguments.parallelism_config``). Tensor, context or sequence parallelism is refused:
+    a size > 1 would be silently ignored otherwise."""
+    if pc is None:
+        return {}
+    if isinstance(pc, Mapping):
+        items = {str(k).removeprefix("parallelism_config_"): v for k, v in pc.items()}
+    elif hasattr(pc, "dp_replicate_size"):
+        items = {k: getattr(pc, k, None) for k in ("dp_replicate_size", "dp_shard_size", *_OTHER_PARALLELISM)}
+    else:
+        raise ShardConfigError(
+            "parallelism_config", f"must be a mapping or an accelerate ParallelismConfig, got {show_value(pc)}."
+        )
+    out = {}
+    for key, value in items.items():
+        if key in ("dp_replicate_size", "dp_shard_size"):
+            if value is not None:
+                out[key] = value
+        elif key in _OTHER_PARALLELISM:
+            if value is not None and value not in (1, "1"):
+                raise ShardConfigError(
+                    f"parallelism_config.{key}",
+                    f"is {show_value(value)} in {where}, but shardcore shards data-parallel only (FSDP, and HSDP with "
+                    "dp_replicate_size). Set it to 1 or remove it.",
+                )
+        elif key not in _INERT_PARALLELISM:
+            raise UnknownKeyError(
+                f"parallelism_config.{key}",
+                [f"parallelism_config.{k}" for k in ("dp_replicate_size", "dp_shard_size", *_OTHER_PARALLELISM)],
+                where=where,
+            )
+    return out
 
 
 def _load_file(path: Path) -> dict[str, Any]:
@@ -116,6 +161,7 @@ def _from_accelerate_yaml(text: str, path: Path) -> dict[str, Any]:
         raw["mixed_precision"] = mp
     if dist_type is not None and str(dist_type).upper() == "XLA":
         raw.setdefault("xla", True)
+    raw.update(parallelism_keys(data.get("parallelism_config"), f"accelerate config {path}"))
     return raw
 
 
@@ -156,6 +202,7 @@ def _from_training_arguments(args: Any) -> dict[str, Any]:
             "gradient_checkpointing) flag is also true; setting both raises an error (Transformers "
             "FSDP guide). Keep fsdp_config's activation_checkpointing only.",
         )
+    raw.update(parallelism_keys(getattr(args, "parallelism_config", None), "TrainingArguments.parallelism_config"))
     # Trainer fills its own defaults into fsdp_config (e.g. min_num_params 0, xla False); those that
     # equal ours are harmless, the rest are validated like any user key.
     return raw

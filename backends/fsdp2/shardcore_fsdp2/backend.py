@@ -17,17 +17,25 @@ import torch.distributed as dist
 from torch import nn
 
 from shardcore import safe_dcp
-from shardcore.capabilities import GradClipping, GradSyncControl, ModelValidation, ShardedCheckpoints
+from shardcore.capabilities import (
+    GlobalGradSquares,
+    GradClipping,
+    GradSyncControl,
+    ModelValidation,
+    ShardedCheckpoints,
+)
 from shardcore.config import ShardConfig
 from shardcore.distributed import TorchDistributedRuntime, ensure_process_group
 from shardcore.plan import WrapPlan
 from shardcore.ties import retie, tie_groups, ties_kept
-from shardcore.validate import check_rank0_weights, layout
+from shardcore.validate import check_rank0_weights, data_parallel_shape, layout
 
 log = logging.getLogger(__name__)
 
 
-class FSDP2Backend(TorchDistributedRuntime, ShardedCheckpoints, GradClipping, GradSyncControl, ModelValidation):
+class FSDP2Backend(
+    TorchDistributedRuntime, ShardedCheckpoints, GradClipping, GradSyncControl, ModelValidation, GlobalGradSquares
+):
     """world/barrier/all_reduce_sum/broadcast_object/local_batch come from TorchDistributedRuntime."""
 
     name = "fsdp2"
@@ -44,12 +52,15 @@ class FSDP2Backend(TorchDistributedRuntime, ShardedCheckpoints, GradClipping, Gr
             "timeout",
             "state_dict_type",
             "cpu_ram_efficient_loading",
+            "dp_replicate_size",
+            "dp_shard_size",
         }
     )
 
     def __init__(self) -> None:
         self._mesh = None
         self._mesh_group = None
+        self._mesh_shape: tuple[int, int] | None = None
 
     # -- protocol -------------------------------------------------------------------------------
     def is_available(self) -> tuple[bool, str]:
@@ -159,21 +170,42 @@ class FSDP2Backend(TorchDistributedRuntime, ShardedCheckpoints, GradClipping, Gr
     def validate_model(self, model: nn.Module, plan: WrapPlan, config: ShardConfig) -> None:
         """cpu_ram_efficient_loading: rank 0 holds the weights and every rank's model matches it,
         checked with collectives before sharding, one verdict on every rank."""
+        ensure_process_group(config.timeout, torch.cuda.is_available())
+        data_parallel_shape(config, dist.get_world_size())
         if config.cpu_ram_efficient_loading:
-            ensure_process_group(config.timeout, torch.cuda.is_available())
             check_rank0_weights(model, dist.get_rank(), self.broadcast_object, _all_gather_object)
 
     # -- helpers --------------------------------------------------------------------------------
     def mesh(self, config: ShardConfig):
+        """The device mesh ``fully_shard`` gets: 1-D ``("fsdp",)`` over every rank, or under HSDP
+        (``dp_replicate_size`` > 1) 2-D ``("dp_replicate", "dp_shard")``: parameters sharded within
+        each replica group of ``dp_shard_size`` ranks, gradients all-reduced across the replicas."""
         from torch.distributed.device_mesh import init_device_mesh
 
         ensure_process_group(config.timeout, torch.cuda.is_available())
+        shape = data_parallel_shape(config, dist.get_world_size())
         # a script may destroy the process group and start another (another size): the mesh follows
-        if self._mesh is None or self._mesh_group is not dist.group.WORLD:
-            self._mesh_group = dist.group.WORLD
+        if self._mesh is None or self._mesh_group is not dist.group.WORLD or self._mesh_shape != shape:
+            self._mesh_group, self._mesh_shape = dist.group.WORLD, shape
             device_type = "cuda" if torch.cuda.is_available() else "cpu"
-            self._mesh = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("fsdp",))
+            if shape[0] == 1:
+                self._mesh = init_device_mesh(device_type, (shape[1],), mesh_dim_names=("fsdp",))
+            else:
+                self._mesh = init_device_mesh(device_type, shape, mesh_dim_names=("dp_replicate", "dp_shard"))
         return self._mesh
+
+    def grad_sq_sum(self, model: nn.Module) -> torch.Tensor:
+        """Sum of squared gradient entries of the whole model: each rank's shards, summed within its
+        replica group only (under HSDP every replica holds the same shards)."""
+        local = torch.zeros((), device=self._device())
+        for p in model.parameters():
+            if p.grad is not None:
+                g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                local = local + g.detach().float().pow(2).sum().to(local.device)
+        mesh = self._mesh
+        group = mesh.get_group("dp_shard") if mesh is not None and mesh.ndim == 2 else None
+        dist.all_reduce(local, group=group)
+        return local
 
 
 def checkpoint_forward(module: nn.Module) -> None:

@@ -39,7 +39,7 @@ def torchrun(nproc: int, *args: str, timeout: float = DEADLINE) -> None:
         text = proc.stdout
         errors = [ln for ln in text.splitlines() if "Error" in ln or "error" in ln]
         pytest.fail(
-            f"ckpt_worker {' '.join(args)} on {nproc} ranks failed (rc {proc.returncode}):\n"
+            f"workers/ckpt.py {' '.join(args)} on {nproc} ranks failed (rc {proc.returncode}):\n"
             + "\n".join(errors[-15:])
             + "\n"
             + text[-3000:]

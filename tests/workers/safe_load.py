@@ -1,8 +1,8 @@
 """A SHARDED checkpoint made malicious, loaded by shardcore (one FSDP2 rank, in a fresh process).
 
-    python safe_load_worker.py metadata DIR MARKER   -> .metadata replaced by a pickle that runs
+    python safe_load.py metadata DIR MARKER   -> .metadata replaced by a pickle that runs
                                                         `touch MARKER` when unpickled
-    python safe_load_worker.py bytes    DIR MARKER   -> an optimizer param_group value whose pickle
+    python safe_load.py bytes    DIR MARKER   -> an optimizer param_group value whose pickle
                                                         runs `touch MARKER`, stored as a DCP bytes entry
 
 Prints JSON: the error shardcore.load raised (type, message), or null.

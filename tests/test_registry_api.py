@@ -37,14 +37,14 @@ def test_unknown_backend_lists_installed_ones():
     assert "tpu9000" in str(e.value) and "pip install" in str(e.value)
 
 
-def test_unavailable_backend_names_install_command():
+def test_unavailable_backend_names_install_command(mlp):
     with pytest.raises(BackendUnavailableError, match="pip install shardcore-unavailable-example"):
-        shardcore.shard(MLP(), {}, backend="backends_for_tests:UnavailableBackend")
+        shardcore.shard(mlp, {}, backend="backends_for_tests:UnavailableBackend")
 
 
-def test_key_the_backend_does_not_support_is_an_error():
+def test_key_the_backend_does_not_support_is_an_error(mlp):
     with pytest.raises(UnsupportedKeyError, match="reshard_after_forward") as e:
-        shardcore.shard(MLP(), {"reshard_after_forward": False}, backend="backends_for_tests:OnlyWrapBackend")
+        shardcore.shard(mlp, {"reshard_after_forward": False}, backend="backends_for_tests:OnlyWrapBackend")
     assert e.value.key == "reshard_after_forward"
     assert "only-wrap" in str(e.value)
 
@@ -59,25 +59,24 @@ def test_not_a_module():
         shardcore.shard("model", {})
 
 
-def test_activation_checkpointing_conflicts_with_model_gradient_checkpointing():
-    model = build_llama()
-    model.activation_checkpointing_enable()
+def test_activation_checkpointing_conflicts_with_model_gradient_checkpointing(tiny_llama):
+    tiny_llama.activation_checkpointing_enable()
     with pytest.raises(ShardConfigError, match="gradient checkpointing enabled") as e:
-        shardcore.shard(model, {"activation_checkpointing": True})
+        shardcore.shard(tiny_llama, {"activation_checkpointing": True})
     assert e.value.key == "activation_checkpointing"
 
 
-def test_activation_checkpointing_needs_units():
+def test_activation_checkpointing_needs_units(mlp):
     with pytest.raises(ShardConfigError, match="no units") as e:
-        shardcore.shard(MLP(), {"activation_checkpointing": True, "auto_wrap_policy": "NO_WRAP"})
+        shardcore.shard(mlp, {"activation_checkpointing": True, "auto_wrap_policy": "NO_WRAP"})
     assert e.value.key == "activation_checkpointing"
 
 
 # The checks below shard for real in a world of one (a single-process gloo group).
 
 
-def test_shard_twice_is_an_error():
-    model = shardcore.shard(MLP(), {})
+def test_shard_twice_is_an_error(mlp):
+    model = shardcore.shard(mlp, {})
     with pytest.raises(AlreadyShardedError, match="already sharded"):
         shardcore.shard(model, {})
 

@@ -25,3 +25,17 @@ class WithoutUnitFixes(XLABackend):
 
     name = "xla-broken-no-unit-fixes"
     unit_fixes = False
+
+
+class HSDPReplicasShareRows(XLABackend):
+    """SPMD HSDP whose replicas all train on the first replica's rows: the batch split by shard
+    only, as if each replica read its own copy of the data. (Annotating the real batch over the
+    ``fsdp`` axis alone would not be this bug: under SPMD that only duplicates work, the program
+    still sees every row.)"""
+
+    name = "xla-broken-hsdp-rows"
+
+    def local_batch(self, batch):
+        replicas = dict(zip(self._mesh.axis_names, self._mesh.mesh_shape)).get("replicate", 1)
+        first = {k: v[: v.shape[0] // replicas].repeat((replicas,) + (1,) * (v.dim() - 1)) for k, v in batch.items()}
+        return super().local_batch(first)

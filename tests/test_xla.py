@@ -319,6 +319,124 @@ def test_broken_xla_variant_is_caught():
     assert not result.ok and "loss differs at step 0" in " ".join(result.verdicts[0].reasons)
 
 
+# --------------------------------------------------------------- HSDP (dp_replicate_size x dp_shard_size)
+
+#: the conformance hsdp family on 4 devices, whole (about a minute on 2 cores)
+HSDP_CASES = (
+    "hsdp2x2-mlp,hsdp2x2-llama,hsdp2x2-grad_accum-llama,hsdp2x2-llama-sharded_state_dict,hsdp2x2-gpt2,"
+    "hsdp2x2-clip-llama,hsdp4x1-mlp,hsdp4x1-llama"
+)
+
+
+def _hsdp_cases(pattern: str) -> list[Case]:
+    from shardcore_conformance.cases import matrix_for, select
+
+    return select(matrix_for("xla", 4), pattern)
+
+
+@pytest.mark.multiprocess
+def test_spmd_hsdp_conformance_on_4_cpu_devices():
+    """2 replicas x 2 shards and 4 x 1 under SPMD, each replica on its own rows, against one device."""
+    cases = _hsdp_cases("hsdp*")
+    assert [c.name for c in cases] == HSDP_CASES.split(",") and all(c.config["xla_fsdp_v2"] for c in cases)
+    _assert_ok(run_suite(cases, "xla", world_size=4, case_timeout=300))
+
+
+@pytest.mark.multiprocess
+def test_hsdp_replicas_training_on_the_same_rows_are_caught():
+    result = run_suite(
+        _hsdp_cases("hsdp2x2-mlp,hsdp4x1-mlp"),
+        "broken_xla_backends:HSDPReplicasShareRows",
+        world_size=4,
+        case_timeout=300,
+    )
+    assert not result.ok and len(result.verdicts) == 2
+    assert all("loss differs at step 0" in " ".join(v.reasons) for v in result.verdicts)
+
+
+HSDP_LAYOUT = """
+import json
+
+import torch
+import torch_xla
+
+import shardcore
+from shardcore_conformance.models import build_model
+
+V2 = {"xla": True, "xla_fsdp_v2": True}
+spec = torch_xla._XLAC._get_xla_sharding_spec
+out = {}
+try:
+    shardcore.shard(build_model("mlp", 0), {**V2, "dp_replicate_size": 3})
+except shardcore.ShardConfigError as e:
+    out["refused"] = e.key
+for name, cfg in (("hsdp", {**V2, "dp_replicate_size": 2}), ("default", V2)):
+    model = shardcore.shard(build_model("mlp", 0), cfg)
+    backend = shardcore.handle(model).backend
+    full = {k: v.detach().cpu() for k, v in build_model("mlp", 1).state_dict().items()}
+    backend.load_full_state_dict(model, full)
+    head = model.module.head.weight
+    x = backend.local_batch({"x": torch.randn(8, 13)})["x"]
+    y = model(x)
+    out[name] = {
+        "mesh": [list(backend._mesh.axis_names), list(backend._mesh.mesh_shape)],
+        "batch": spec(x),
+        "output": spec(y),
+        "head": spec(head),
+        "loaded": bool(torch.equal(head.cpu(), full["head.weight"])),
+    }
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.multiprocess
+def test_spmd_hsdp_layout_on_4_cpu_devices(tmp_path):
+    """What parity cannot see (SPMD computes the same values under any sharding): the batch and the
+    output split over both mesh axes, parameters over ``fsdp`` only, a FULL load keeping that
+    layout; without the keys, today's 1-D mesh. A shape that does not factor the devices is refused
+    before wrapping."""
+    script = tmp_path / "layout.py"
+    script.write_text(HSDP_LAYOUT)
+    out = harness.python(script, env=harness.xla_env(4), timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["refused"] == "dp_replicate_size"
+    rows = "{devices=[4,1]0,1,2,3}"  # dim 0 in 4 blocks, device r * 2 + s holding block r * 2 + s
+    assert got["hsdp"] == {
+        "mesh": [["replicate", "fsdp"], [2, 2]],
+        "batch": rows,
+        "output": rows,
+        # head.weight (5, 33): dim 1 in 2 shards, shard s on devices s and 2 + s (one per replica)
+        "head": "{devices=[1,2,2]0,2,1,3 last_tile_dim_replicate}",
+        "loaded": True,
+    }
+    assert got["default"] == {
+        "mesh": [["fsdp", "model"], [4, 1]],
+        "batch": rows,
+        "output": rows,
+        "head": "{devices=[1,4]0,1,2,3}",
+        "loaded": True,
+    }
+
+
+def test_xla_fsdp_refuses_replicas_naming_the_fix():
+    """XlaFullyShardedDataParallel's sharding_groups never all-reduce across groups (measured: two
+    groups of 2 CPU devices, after 3 steps, give outputs 0.015 apart), so HSDP is SPMD only; refused from the config."""
+    from shardcore_xla.settings import check_fsdp_replicas
+
+    with pytest.raises(ShardConfigError) as e:
+        shardcore.shard(build_model("mlp", 0), {**X, "dp_replicate_size": 2})
+    msg = str(e.value)
+    assert e.value.key == "dp_replicate_size" and "is 2" in msg and "set xla_fsdp_v2: true" in msg.lower()
+    assert "never all-reduce" in msg and "sharding_groups" in msg
+    # from the device count: dp_shard_size 2 of 4 devices makes 2 replicas
+    with pytest.raises(ShardConfigError, match="2 replica groups") as e:
+        check_fsdp_replicas(parse_config({**X, "dp_shard_size": 2}), 4)
+    assert e.value.key == "dp_shard_size"
+    check_fsdp_replicas(parse_config({**X, "dp_shard_size": 4}), 4)  # one replica: plain XLA FSDP
+    check_fsdp_replicas(parse_config({**X, "dp_replicate_size": 1}), 4)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("mode, devices", [("spmd", 2), ("fsdp", 1), ("fsdp", 2)])
 def test_grad_ckpt_recomputes_units_in_backward(mode, devices):
@@ -584,11 +702,18 @@ def test_matrix_leaves_out_only_what_the_backend_refuses(monkeypatch):
     with pytest.raises(ShardConfigError):
         backend.validate(parse_config({**V2, "reshard_after_forward": False}))
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
-    two = matrix_for("xla", 2)
+    two, four = matrix_for("xla", 2), matrix_for("xla", 4)
     assert [c for c in two if not c.config.get("xla_fsdp_v2") and c.config.get("xla_fsdp_grad_ckpt")]
     assert [c for c in two if c.config.get("xla_fsdp_v2")]
     assert not [c for c in two if c.config.get("xla_fsdp_v2") and c.config.get("reshard_after_forward") is False]
-    # the same cases on every device count and device type
-    assert [c.name for c in matrix_for("xla", 1)] == [c.name for c in two] == [c.name for c in matrix_for("xla", 4)]
+    # HSDP is SPMD only, and has no reshard_after_forward: false there
+    hsdp = [c for c in two if c.family == "hsdp"]
+    assert hsdp and all(c.config["xla_fsdp_v2"] for c in hsdp) and not [c for c in hsdp if "reshard0" in c.name]
+
+    # the same cases on every device count and device type, but for the HSDP shapes, which follow the world
+    def names(cases):
+        return [c.name for c in cases if c.family != "hsdp"]
+
+    assert names(matrix_for("xla", 1)) == names(two) == names(matrix_for("xla", 4))
     monkeypatch.setenv("PJRT_DEVICE", "TPU")
-    assert [c.name for c in matrix_for("xla", 4)] == [c.name for c in two]
+    assert [c.name for c in matrix_for("xla", 4)] == [c.name for c in four]

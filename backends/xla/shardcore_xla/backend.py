@@ -4,10 +4,9 @@
   root, with ``xla_fsdp_settings`` as its keyword arguments (``compute_dtype``/``buffer_dtype`` names
   become torch dtypes, as the Trainer converts them). One device per process or thread
   (``xmp.spawn`` / ``torch_xla.launch``). See fsdp.py.
-* ``xla_fsdp_v2: true``: SPMD ``SpmdFullyShardedDataParallel`` over a mesh of every device with axes
-  ``("fsdp", "model")``; one process drives all devices, inputs are sharded along the batch on the
-  ``fsdp`` axis, and Hugging Face outputs are sharded the way the Trainer's ``shard_output`` does.
-  See spmd.py.
+* ``xla_fsdp_v2: true``: SPMD ``SpmdFullyShardedDataParallel`` over a mesh of every device, axes
+  ``("fsdp", "model")`` (HSDP, ``dp_replicate_size`` > 1: ``("replicate", "fsdp")``); one process drives
+  all devices; inputs and Hugging Face outputs are sharded along the batch (Trainer's ``shard_output``). See spmd.py.
 * ``xla_fsdp_grad_ckpt: true``: torch_xla's ``checkpoint_module`` on each unit before wrapping.
 
 The wrapping decision is the plan's: torch_xla's own auto-wrap machinery is handed a policy that says
@@ -84,6 +83,8 @@ class XLABackend(
             "xla_fsdp_v2",
             "xla_fsdp_settings",
             "xla_fsdp_grad_ckpt",
+            "dp_replicate_size",
+            "dp_shard_size",
         }
     )
 
@@ -104,8 +105,7 @@ class XLABackend(
 
     # -- validation (shard() runs it before apply) ---------------------------------------------------
     def validate(self, config: ShardConfig) -> None:
-        """Raise ShardConfigError for settings or a combination of keys this backend refuses, from
-        the config alone (no devices)."""
+        """Raise ShardConfigError for settings or keys this backend refuses, from the config alone."""
         if self._spmd is not None and self._spmd != config.xla_fsdp_v2:
             raise ShardConfigError(
                 "xla_fsdp_v2",
@@ -118,14 +118,15 @@ class XLABackend(
             settings.check_fsdp_settings(config)
 
     def validate_model(self, model: nn.Module, plan: WrapPlan, config: ShardConfig) -> None:
-        """What :meth:`apply` would otherwise meet halfway: SPMD cannot fill a meta-device model; XLA
-        FSDP on several CPU devices refuses settings the CPU recipe cannot honour, and needs every
-        device's model to match device 0's (with ``cpu_ram_efficient_loading``, rank 0's weights).
-        Collective under XLA FSDP, with one verdict on every rank."""
+        """What :meth:`apply` would otherwise meet halfway: SPMD cannot fill a meta-device model; each
+        mode checks the HSDP sizes against its devices; XLA FSDP on several CPU devices refuses what
+        the CPU recipe cannot honour, and needs every device's model to match device 0's (with
+        ``cpu_ram_efficient_loading``, rank 0's weights). Collective under XLA FSDP, one verdict."""
         if config.xla_fsdp_v2:
             spmd.check_model(model, config)
             return
         self._use_fsdp(config)  # the collectives below need the device threads
+        settings.check_fsdp_replicas(config, self.world().size)
         if self._threads is not None:
             settings.check_cpu_fsdp_settings(config)
         if self._from_rank0(config):
@@ -163,7 +164,7 @@ class XLABackend(
 
     def _apply_spmd(self, model: nn.Module, plan: WrapPlan, config: ShardConfig) -> nn.Module:
         self._spmd = True
-        self._mesh = spmd.mesh(self._mesh)
+        self._mesh = spmd.mesh(self._mesh, spmd.shape(config)[0])
         return spmd.wrap(model, plan, self._mesh, config.xla_fsdp_grad_ckpt, settings.spmd_kwargs(config))
 
     def _use_fsdp(self, config: ShardConfig) -> None:
@@ -198,7 +199,7 @@ class XLABackend(
     # -- training loop ----------------------------------------------------------------------------
     def local_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """What this rank feeds its model from a global batch: its slice (XLA FSDP), or the whole
-        batch sharded along dim 0 on the mesh's ``fsdp`` axis (SPMD)."""
+        batch sharded along dim 0 over the mesh's data axes (SPMD)."""
         import torch_xla.runtime as xr
 
         w = self.world()

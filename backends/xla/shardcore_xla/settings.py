@@ -13,6 +13,7 @@ from typing import Any
 
 from shardcore.config import ShardConfig, dtype_name, show_value
 from shardcore.errors import ShardConfigError, UnknownKeyError
+from shardcore.validate import data_parallel_shape
 
 # Set by shardcore from the plan, never by the user: accepting them would let a setting re-decide
 # the wrapping behind the plan's back.
@@ -38,7 +39,9 @@ def fsdp_parameters() -> dict[str, inspect.Parameter]:
 
 def check_fsdp_settings(config: ShardConfig) -> None:
     """``xla_fsdp_settings`` checked against ``XlaFullyShardedDataParallel``'s arguments, each value
-    against what the Trainer's conversion accepts."""
+    against what the Trainer's conversion accepts; and no replicas (HSDP is SPMD only)."""
+    if config.dp_replicate_size is not None and config.dp_replicate_size > 1:
+        _refuse_fsdp_replicas("dp_replicate_size", config.dp_replicate_size, config.dp_replicate_size)
     valid = fsdp_parameters()
     settable = {n: p for n, p in valid.items() if n not in PLAN_OWNED | NOT_FROM_CONFIG}
     for name, value in config.xla_fsdp_settings.items():
@@ -65,6 +68,25 @@ def check_fsdp_settings(config: ShardConfig) -> None:
             "xla_fsdp_settings.reshard_after_forward",
             f"is {own} but reshard_after_forward is {config.reshard_after_forward}. Keep one.",
         )
+
+
+def check_fsdp_replicas(config: ShardConfig, world_size: int) -> None:
+    """XLA FSDP with ``world_size`` devices: the sizes must factor it, into one replica (a
+    ``dp_shard_size`` below the device count means several). Every rank reaches the same verdict."""
+    replicas, _ = data_parallel_shape(config, world_size)
+    if replicas > 1:
+        _refuse_fsdp_replicas("dp_shard_size", config.dp_shard_size, replicas)
+
+
+def _refuse_fsdp_replicas(key: str, value: Any, replicas: int) -> None:
+    raise ShardConfigError(
+        key,
+        f"is {show_value(value)}, which makes {replicas} replica groups (HSDP), but XLA FSDP (xla_fsdp_v2: false) "
+        "cannot train replicas: torch_xla 2.9's XlaFullyShardedDataParallel sharding_groups only confine its "
+        "all-gather and reduce-scatter to a group (for Megatron-style model parallelism) and never all-reduce "
+        "gradients across the groups, so the replicas would train apart. Set xla_fsdp_v2: true for HSDP on XLA "
+        "(SPMD, mesh (replicate, fsdp)), or remove the key to shard over every device.",
+    )
 
 
 def check_spmd_settings(config: ShardConfig) -> None:

@@ -83,13 +83,31 @@ def _prime(optimizer: Any) -> None:
 
 
 def save_spmd(model: nn.Module, optimizer: Any, path: str, strip: Callable[[str], str]) -> None:
+    import dataclasses
+
     import torch.distributed.checkpoint as dcp
     from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
+
+    class OneCopySPMDSavePlanner(SPMDSavePlanner):
+        """Each chunk written once. Under HSDP a parameter is sharded over ``fsdp`` and replicated over
+        ``replicate``, so this one process holds each shard once per replica, as write items with the
+        same fqn and offsets. torch_xla 2.9's ``dedup_tensors`` keys them by ``MetadataIndex``, whose
+        equality ignores the shard index, and with a single plan it drops the copies it finds in
+        plan 0 "after the first", which is plan 0 itself: every copy goes and nothing is written."""
+
+        def create_local_plan(self) -> Any:
+            plan = super().create_local_plan()
+            seen, items = set(), []
+            for item in plan.items:
+                if item.index not in seen:
+                    seen.add(item.index)
+                    items.append(item)
+            return dataclasses.replace(plan, items=items)
 
     dcp.save(
         spmd_state(model, optimizer, strip, prime=False),
         storage_writer=dcp.FileSystemWriter(path),
-        planner=SPMDSavePlanner(),
+        planner=OneCopySPMDSavePlanner(),
     )
     if optimizer is not None:
         names = {id(p): strip(n) for n, p in model.named_parameters()}

@@ -3,6 +3,13 @@
 The mesh has axes ``("fsdp", "model")``; one process drives all devices, inputs are sharded along the
 batch on the ``fsdp`` axis, and Hugging Face outputs are sharded the way the Trainer's
 ``shard_output`` does. The units are the plan's, wrapped with XLA FSDP's policy (fsdp.py).
+
+Hybrid sharding (``dp_replicate_size`` R > 1): the mesh is ``("replicate", "fsdp")`` of shape (R, S).
+FSDPv2 shards every parameter over ``fsdp`` only, so each replica row of the mesh holds one sharded
+copy, and the batch is sharded along dim 0 over both axes, so each replica gets its own rows. The
+compiler then reduces the gradients over both axes. The order ``(replicate, fsdp)`` is the one
+torch_xla's ``extra_data_axis`` uses for its default output sharding; shardcore passes its own
+``shard_output``, which torch_xla 2.9 neither forwards ``extra_data_axis`` to nor combines with it.
 """
 
 from __future__ import annotations
@@ -15,14 +22,19 @@ from torch import nn
 from shardcore.config import ShardConfig
 from shardcore.errors import ShardConfigError, ShardcoreError
 from shardcore.plan import WrapPlan
-from shardcore.validate import has_meta_tensors
+from shardcore.validate import data_parallel_shape, has_meta_tensors
 
 from .fsdp import plan_policy, to_device_keeping_ties, unit_wrapper
+
+#: the mesh axis HSDP replicates parameters over; FSDPv2 shards them over ``fsdp``
+REPLICATE = "replicate"
 
 
 def check_model(model: nn.Module, config: ShardConfig) -> None:
     """What SPMD cannot fill: one process drives every device, so there are no other ranks to take
-    rank 0's weights from. One controller, so one verdict without collectives."""
+    rank 0's weights from; and a ``dp_replicate_size`` x ``dp_shard_size`` that does not factor the
+    device count. One controller, so one verdict without collectives."""
+    shape(config)
     if config.cpu_ram_efficient_loading and has_meta_tensors(model):
         raise ShardConfigError(
             "cpu_ram_efficient_loading",
@@ -31,20 +43,37 @@ def check_model(model: nn.Module, config: ShardConfig) -> None:
         )
 
 
-def mesh(existing: Any = None) -> Any:
-    """The process's SPMD mode and its global mesh: every device on ``fsdp`` (``existing`` if set)."""
+def shape(config: ShardConfig) -> tuple[int, int]:
+    """``(replicas, shards)`` over every device of the process (raises ShardConfigError)."""
+    import torch_xla.runtime as xr
+
+    return data_parallel_shape(config, xr.global_runtime_device_count())
+
+
+def mesh(existing: Any = None, replicas: int = 1) -> Any:
+    """The process's SPMD mode and its global mesh: every device on ``fsdp``, or, with ``replicas``
+    > 1, ``("replicate", "fsdp")`` of shape (replicas, devices / replicas). ``existing`` if it is
+    that mesh already."""
     import numpy as np
     import torch_xla.distributed.spmd as xs
     import torch_xla.runtime as xr
 
     if not xr.is_spmd():
         xr.use_spmd()
-    if existing is not None:
-        return existing
     n = xr.global_runtime_device_count()
-    out = xs.Mesh(np.arange(n), (n, 1), ("fsdp", "model"))
+    dims, axes = ((n, 1), ("fsdp", "model")) if replicas == 1 else ((replicas, n // replicas), (REPLICATE, "fsdp"))
+    if existing is not None and tuple(existing.mesh_shape) == dims and tuple(existing.axis_names) == axes:
+        return existing
+    out = xs.Mesh(np.arange(n), dims, axes)
     xs.set_global_mesh(out)
     return out
+
+
+def batch_spec(mesh: Any, t: torch.Tensor) -> tuple[Any, ...]:
+    """Dim 0 over every data-parallel axis of ``mesh`` (replicas first, then shards), the rest
+    replicated: device (r, s) gets rows block r * S + s."""
+    axis = (REPLICATE, "fsdp") if REPLICATE in mesh.axis_names else "fsdp"
+    return (axis,) + (None,) * (t.dim() - 1)
 
 
 def wrap(model: nn.Module, plan: WrapPlan, mesh: Any, grad_ckpt: bool, kwargs: dict[str, Any]) -> nn.Module:
@@ -62,21 +91,22 @@ def wrap(model: nn.Module, plan: WrapPlan, mesh: Any, grad_ckpt: bool, kwargs: d
 
 
 def shard_batch(batch: dict[str, torch.Tensor], mesh: Any) -> dict[str, torch.Tensor]:
-    """The whole global batch on the XLA device, sharded along dim 0 on the mesh's ``fsdp`` axis."""
+    """The whole global batch on the XLA device, sharded along dim 0 (:func:`batch_spec`)."""
     import torch_xla
     import torch_xla.distributed.spmd as xs
 
     out = {}
     for k, v in batch.items():
         t = v.to(torch_xla.device())
-        xs.mark_sharding(t, mesh, ("fsdp",) + (None,) * (t.dim() - 1))
+        xs.mark_sharding(t, mesh, batch_spec(mesh, t))
         out[k] = t
     return out
 
 
 def shard_output(output: Any, mesh: Any) -> None:
-    """Shard a forward output along the batch on ``fsdp``, as the Trainer's FSDPv2 ``shard_output``:
-    a tensor, the first element of a tuple, or a Hugging Face output's ``logits``."""
+    """Shard a forward output along the batch like the inputs (:func:`batch_spec`), as the Trainer's
+    FSDPv2 ``shard_output``: a tensor, the first element of a tuple, or a Hugging Face output's
+    ``logits``."""
     import torch_xla.distributed.spmd as xs
 
     real = None
@@ -93,7 +123,7 @@ def shard_output(output: Any, mesh: Any) -> None:
             f"shardcore xla (xla_fsdp_v2): cannot find the tensor to shard in a {type(output).__name__} "
             "output; return a tensor, a tuple starting with one, or an object with .logits."
         )
-    xs.mark_sharding(real, mesh, ("fsdp",) + (None,) * (real.dim() - 1))
+    xs.mark_sharding(real, mesh, batch_spec(mesh, real))
 
 
 def like_spmd_param(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -103,5 +133,11 @@ def like_spmd_param(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     from torch_xla.experimental.spmd_fully_sharded_data_parallel import _prepare_spmd_partition_spec
 
     t = value.to(torch_xla.device(), p.dtype)
-    xs.mark_sharding(t, xs.get_global_mesh(), _prepare_spmd_partition_spec(t, shard_maximal=True))
+    # p's own sharding, not one rebuilt from the global mesh: that mesh may since have been replaced
+    # by another model's (another dp_replicate_size in the same process)
+    sharding = torch_xla._XLAC._get_xla_op_sharding(p)
+    if sharding:
+        torch_xla._XLAC._xla_mark_sharding(t, sharding)
+    else:
+        xs.mark_sharding(t, xs.get_global_mesh(), _prepare_spmd_partition_spec(t, shard_maximal=True))
     return t

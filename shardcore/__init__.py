@@ -7,6 +7,7 @@ from .api import ShardedModel, handle, shard
 from .backend import Backend, BackendInfo, World, available_backends, get_backend
 from .checkpoint import from_pretrained, load, save
 from .config import MixedPrecision, ShardConfig, parse_config
+from .empty import init_empty_weights
 from .errors import (
     AlreadyShardedError,
     BackendNotFoundError,
@@ -53,6 +54,7 @@ __all__ = [
     "from_pretrained",
     "get_backend",
     "handle",
+    "init_empty_weights",
     "launch",
     "load",
     "no_sync",

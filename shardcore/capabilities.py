@@ -151,6 +151,39 @@ class GlobalGradSquares(Protocol):
 
 
 @runtime_checkable
+class SlicedLoading(Protocol):
+    """Every rank reads only its own slices of a FULL checkpoint, and models without weights shard.
+
+    With it, :func:`shardcore.load` of a FULL checkpoint (``model.safetensors`` or an index of
+    shards) has each rank read, through the files' memory maps, only the parts of each tensor it
+    keeps, and ``apply`` accepts a model whose parameters are on the meta device on every rank
+    (``cpu_ram_efficient_loading``, built with :func:`shardcore.init_empty_weights`): it leaves empty
+    shards (:func:`shardcore.empty.materialize_empty`) and calls
+    :func:`shardcore.empty.await_weights` so no forward runs before the load. Without it, rank 0
+    reads the whole file and ``load_full_state_dict`` spreads it."""
+
+    def load_full_slices(self, model: nn.Module, fill: Callable[[str, tuple[slice, ...], Any], None]) -> None:
+        """For every parameter and persistent buffer of ``model`` (state-dict names), call
+        ``fill(name, index, out)``, which copies ``checkpoint[name][index]`` into the tensor ``out``
+        (this rank's part, of ``index``'s shape). No collectives: the caller agrees on errors."""
+        ...
+
+    def read_optimizer_slices(
+        self, model: nn.Module, osd: dict[str, Any], fill: Callable[[str, tuple[slice, ...], Any], None]
+    ) -> Any:
+        """This rank's part of a FULL optimizer state dict (keyed by parameter name, the layout of
+        ``get_optimizer_state_dict(full_state_dict=True)``) whose tensors are
+        :class:`shardcore.checkpoint.full.TensorRef` (file key and global shape): each read with
+        ``fill(ref.key, index, out)``, only the rows this rank keeps of state shaped like its
+        parameter. No collectives: the caller agrees on errors before the next call."""
+        ...
+
+    def load_optimizer_slices(self, model: nn.Module, optimizer: Any, part: Any) -> None:
+        """Load what :meth:`read_optimizer_slices` returned into ``optimizer``. Collective."""
+        ...
+
+
+@runtime_checkable
 class CompileCounter(Protocol):
     """Compiling backends: how many graphs this process has compiled so far (the conformance suite
     and the tests check that steps after warm-up compile nothing new)."""
@@ -184,6 +217,7 @@ CAPABILITIES: tuple[type, ...] = (
     ConfigValidation,
     ModelValidation,
     GlobalGradSquares,
+    SlicedLoading,
     CompileCounter,
     RenamesParameters,
 )

@@ -126,20 +126,32 @@ def check_rank0_weights(
     rank: int,
     broadcast_object: Callable[[Any], Any],
     all_gather_object: Callable[[Any], list[Any]],
+    *,
+    weights_later: bool = False,
 ) -> Layout:
     """``cpu_ram_efficient_loading`` on several ranks: rank 0 holds real weights and every rank's
-    model has rank 0's names and shapes (the others may be on the meta device). Collective: every
-    rank calls it, and every rank raises the same error. Returns rank 0's layout (its dtypes are the
-    ones every rank shards)."""
+    model has rank 0's names and shapes (the others may be on the meta device). With
+    ``weights_later`` (a backend with :class:`~shardcore.capabilities.SlicedLoading`) every rank may
+    instead hold a model without weights (:func:`shardcore.init_empty_weights`), to be filled by
+    :func:`shardcore.load`. Collective: every rank calls it, and every rank raises the same error.
+    Returns rank 0's layout (its dtypes are the ones every rank shards)."""
+    from .empty import weights_state
+
     mine = layout(model)
-    rank0_meta, rank0_layout = broadcast_object((has_meta_tensors(model), mine))
+    rank0_layout = broadcast_object(mine)
+    states = all_gather_object(weights_state(model))
     problem = None
-    if rank0_meta:
-        problem = (
-            "is true but rank 0's model has tensors on the meta device. Rank 0 must hold the real weights "
-            "(from_pretrained there); the other ranks may build the model on the meta device."
+    if weights_later and all(s == "empty" for s in states):
+        pass
+    elif states[0] != "real":
+        problem = "is true but rank 0's model has tensors on the meta device. Rank 0 must hold the real weights " + (
+            "(from_pretrained there; the other ranks may build the model on the meta device), or every rank "
+            "must build the model without weights under shardcore.init_empty_weights() (parameters on meta, "
+            "buffers real) and call shardcore.load() after shard()."
+            if weights_later
+            else "(from_pretrained there); the other ranks may build the model on the meta device."
         )
-    elif {k: v[0] for k, v in mine.items()} != {k: v[0] for k, v in rank0_layout.items()}:
+    if problem is None and {k: v[0] for k, v in mine.items()} != {k: v[0] for k, v in rank0_layout.items()}:
         diff = sorted(set(mine.items()) ^ set(rank0_layout.items()))[:3]
         problem = (
             f"is true but rank {rank}'s model differs from rank 0's (names or shapes: {diff}). Build the same "

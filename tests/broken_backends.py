@@ -70,3 +70,16 @@ class SkipsReplicaAllReduceBackend(FSDP2Backend):
             if isinstance(m, FSDPModule):
                 m.set_requires_all_reduce(False, recurse=False)
         return model
+
+
+class SlicesFromRowZeroBackend(FSDP2Backend):
+    """Sliced loading that reads every rank's rows from the top of each tensor, what forgetting
+    DTensor's global offset does: rank 1 gets rank 0's rows."""
+
+    name = "broken-slice-offset"
+
+    def load_full_slices(self, model, fill):
+        def from_row_zero(name, index, out):
+            fill(name, tuple(slice(0, s.stop - s.start) for s in index), out)
+
+        super().load_full_slices(model, from_row_zero)

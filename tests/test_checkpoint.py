@@ -194,6 +194,43 @@ def test_cpu_ram_efficient_loading_gives_every_rank_the_file_weights(efficient, 
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [2, 4])
+def test_sliced_loading_reads_only_each_ranks_rows_and_matches_the_rank0_path(runs, world):
+    """FULL checkpoints (shardcore's, save_pretrained's single file, an index of 3 shards) load with
+    every rank reading only its own rows through safetensors' memory maps, at 2 ranks and at 4
+    (1x4 and HSDP 2x2): shardcore.load (with the AdamW state) and
+    from_pretrained(cpu_ram_efficient_loading) give the shards the rank-0-broadcast path gives,
+    bit for bit; no whole file is read; a model sharded
+    without weights refuses a forward until it is loaded."""
+    index = runs / "hf_index"
+    if not index.exists():
+        llama(seed=9).save_pretrained(index, max_shard_size="40KB")
+    assert len(list(index.glob("model-*.safetensors"))) == 3
+    torchrun(world, "sliced", str(runs), timeout=420)
+    for r in range(world):
+        got = json.loads((runs / f"sliced{world}.rank{r}.json").read_text())
+        tags = {"1x2"} if world == 2 else {"1x4", "2x2"}
+        assert {k.split("-")[0] for k in got if k != "guard"} == tags
+        for case, res in got.items():
+            if case == "guard":
+                assert res["after_load"], res
+                continue
+            assert res["load_differs"] == [] and res["pretrained_differs"] == [], (r, case, res)
+            assert res["optimizer_differs"] == [], (r, case, res)
+            # full3 carries AdamW state: step, exp_avg and exp_avg_sq of every parameter
+            want = 3 * res["n_params"] if case.endswith("full3") else 0
+            assert res["optimizer_entries"] == want, (r, case, res)
+            assert res["same_keys"] and res["logits_equal"] and res["buffers_equal"], (r, case, res)
+            assert res["on_meta"] == [] and res["tied"] and res["eval"], (r, case, res)
+            # only this rank's rows of every parameter were read, once per load; with the optimizer
+            # also its rows of exp_avg and exp_avg_sq and each parameter's step (one element)
+            with_optimizer = 3 * res["local_params"] + res["n_params"] if want else res["local_params"]
+            assert res["read"] == [with_optimizer, res["local_params"]], (r, case, res)
+            shards = int(case.split("-")[0].split("x")[1])
+            assert res["local_params"] <= res["whole_params"] // shards + 200, (r, case, res)
+
+
+@pytest.mark.multiprocess
 def test_bad_checkpoints_fail_on_every_rank(runs):
     assert load_pt(runs / "errors.ok") is True  # set by the worker after every expected error was raised
 
@@ -263,6 +300,70 @@ def test_single_device_round_trip_with_optimizer(tmp_path):
     for i in a["state"]:
         for k in a["state"][i]:
             assert torch.equal(a["state"][i][k], b["state"][i][k])
+
+
+def test_slice_reader_copies_rows_a_piece_at_a_time(tmp_path, monkeypatch):
+    """Rows read in pieces (each through its own memory map) equal the slice of the whole tensor,
+    for any dtype, a scalar and a tied name stored once."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "w": torch.randn(37, 5, generator=g),
+        "h": torch.randn(11, 3, 2, generator=g).to(torch.bfloat16),
+        "s": torch.tensor(3.5),
+    }
+    save_file(tensors, str(tmp_path / "a.safetensors"))
+    monkeypatch.setattr(ckpt.full, "SLICE_BYTES", 64)  # 3 rows of w per piece
+    opened = []
+    real_open = ckpt.full._safetensors()[1]
+
+    def counting_open(*a, **k):
+        opened.append(a[0])
+        return real_open(*a, **k)
+
+    reader = ckpt.full.SliceReader([tmp_path / "a.safetensors"], {"w_tied": "w"})
+    reader._open = counting_open
+    out = torch.empty(26, 5)
+    reader.fill("w_tied", (slice(3, 29), slice(0, 5)), out)
+    assert torch.equal(out, tensors["w"][3:29]) and len(opened) == 9  # ceil(26 / 3) pieces
+    out = torch.empty(4, 3, 2)  # a float32 shard of a bfloat16 tensor: cast as load_state_dict casts
+    reader.fill("h", (slice(7, 11), slice(0, 3), slice(0, 2)), out)
+    assert torch.equal(out, tensors["h"][7:11].float())
+    out = torch.empty(())
+    reader.fill("s", (), out)
+    assert float(out) == 3.5
+    with pytest.raises(shardcore.CheckpointError, match="no tensor 'nope'"):
+        reader.fill("nope", (slice(0, 1),), torch.empty(1))
+
+
+def test_init_empty_weights_keeps_buffers_and_a_model_without_weights_waits_for_its_load(tmp_path):
+    from shardcore import empty
+
+    with shardcore.init_empty_weights():
+        model = llama(seed=0)
+    assert all(p.is_meta for p in model.parameters())
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    plain = llama(seed=0)
+    assert torch.equal(model.model.rotary_emb.inv_freq, plain.model.rotary_emb.inv_freq)
+    assert empty.weights_state(model) == "empty" and empty.weights_state(plain) == "real"
+    with torch.device("meta"):
+        assert empty.weights_state(llama(seed=0)) == "partial"  # rotary inv_freq, in no checkpoint, on meta
+    assert not any(p.is_meta for p in llama(seed=0).parameters())  # the context put register_parameter back
+
+    shardcore.save(plain, tmp_path / "ok")
+    empty.materialize_empty(model, "cpu")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.equal(model.model.rotary_emb.inv_freq, plain.model.rotary_emb.inv_freq)
+    empty.await_weights(model)
+    with pytest.raises(shardcore.CheckpointError, match="uninitialized memory"):
+        model(input_ids=torch.arange(8).reshape(1, 8))
+    with pytest.raises(shardcore.CheckpointError, match="nothing was loaded"):
+        shardcore.save(model, tmp_path / "garbage")
+    assert not (tmp_path / "garbage").exists()
+    shardcore.load(model, tmp_path / "ok")
+    assert_same_state(state_of(model), state_of(plain))
+    model(input_ids=torch.arange(8).reshape(1, 8))
 
 
 def test_plain_safetensors_file_loads(tmp_path):

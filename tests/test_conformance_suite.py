@@ -266,6 +266,8 @@ def test_cli_runs_cases_and_writes_the_report(tmp_path):
         ("broken_backends:LocalNormClippingBackend", "clip-llama", "clipping norm differs at step 0"),
         # 2 replicas of 1 shard: each replica's rank trains on its own rows; without the all-reduce they drift
         ("broken_backends:SkipsReplicaAllReduceBackend", "hsdp2x1-mlp", "loss differs at step 1"),
+        # every rank built without weights reads rank 0's rows: the model starts from wrong weights
+        ("broken_backends:SlicesFromRowZeroBackend", "llama-empty_weights", "loss differs at step 0"),
     ],
 )
 def test_cli_catches_broken_backends(tmp_path, backend, case, expected):

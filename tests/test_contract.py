@@ -59,6 +59,7 @@ def test_declared_capabilities_of_the_shipped_backends():
         "GradSyncControl",
         "ModelValidation",
         "GlobalGradSquares",
+        "SlicedLoading",
     }
     assert names("backends_for_tests:PlainBackend") == set()
     if _with_xla():

@@ -44,6 +44,9 @@ class Case:
     before each step (``shardcore.clip_grad_norm_``); ``lr_schedule`` is ``"constant"`` or
     ``"warmup_cosine"``; parameters whose names match a ``frozen`` pattern get
     ``requires_grad=False`` before sharding. ``family`` groups cases in the report.
+    ``empty_weights``: every rank builds the model without weights
+    (``shardcore.init_empty_weights``), shards it, and loads the seed's weights from a FULL
+    checkpoint with ``shardcore.load`` (sliced reading, ``SlicedLoading``).
     """
 
     name: str
@@ -60,6 +63,7 @@ class Case:
     family: str = ""
     max_grad_norm: float | None = None
     norm_type: float = 2.0
+    empty_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -212,6 +216,15 @@ def _matrix(backend: Any, world_size: int = 2, dtype: str | None = None) -> list
             )
     if "cpu_ram_efficient_loading" in keys:
         add("llama-cpu_ram_efficient_loading", "llama", {"cpu_ram_efficient_loading": True}, family="checkpoint")
+        if _declares(backend, "SlicedLoading"):  # persistent buffers are read from the file too
+            for model in ("llama", "mlp_buffers"):
+                add(
+                    f"{model}-empty_weights",
+                    model,
+                    {"cpu_ram_efficient_loading": True},
+                    empty_weights=True,
+                    family="checkpoint",
+                )
     if "timeout" in keys:
         add("mlp-timeout", "mlp", {"timeout": 600}, family="timeout")
 
@@ -298,17 +311,21 @@ def _hsdp_cases(add: Any, keys: frozenset[str], world_size: int, clips: bool) ->
     """Hybrid sharding (accelerate's dp_replicate_size x dp_shard_size): 2 replicas of world/2
     shards where the world splits so (2x2 on 4 ranks), and pure replication (world x 1). Every rank,
     so every replica, trains on its own rows of the batch: a replica all-reduce that is missing or
-    wrong leaves the replicas apart and the case fails."""
+    wrong leaves the replicas apart and the case fails. On XLA, HSDP is SPMD only (XLA FSDP's
+    sharding_groups never all-reduce across groups), so the cases carry ``xla_fsdp_v2: true``, which
+    has no ``reshard_after_forward: false``."""
     shapes = [(world_size, 1)]
     if world_size >= 4 and world_size % 2 == 0:
         shapes.insert(0, (2, world_size // 2))
     for r, sh in shapes:
         mesh = {"dp_replicate_size": r, "dp_shard_size": sh}
+        if "xla_fsdp_v2" in keys:
+            mesh["xla_fsdp_v2"] = True
         tag = f"hsdp{r}x{sh}"
         add(f"{tag}-mlp", "mlp", mesh, family="hsdp")
         add(f"{tag}-llama", "llama", mesh, family="hsdp")
         if r == 2:
-            if "reshard_after_forward" in keys:
+            if "reshard_after_forward" in keys and "xla_fsdp_v2" not in mesh:
                 add(f"{tag}-llama-reshard0", "llama", {**mesh, "reshard_after_forward": False}, family="hsdp")
             add(f"{tag}-grad_accum-llama", "llama", mesh, grad_accum=2, family="hsdp")
             if "state_dict_type" in keys:
@@ -325,10 +342,16 @@ def _hsdp_cases(add: Any, keys: frozenset[str], world_size: int, clips: bool) ->
 
 def _clips(backend: Any) -> bool:
     """Whether the backend declares gradient clipping (shardcore.capabilities.GradClipping)."""
-    import shardcore
-    from shardcore.capabilities import GradClipping
+    return _declares(backend, "GradClipping")
 
-    return isinstance(shardcore.get_backend(backend) if isinstance(backend, str) else backend, GradClipping)
+
+def _declares(backend: Any, capability: str) -> bool:
+    """Whether the backend declares ``shardcore.capabilities.<capability>``."""
+    import shardcore
+    from shardcore import capabilities
+
+    found = shardcore.get_backend(backend) if isinstance(backend, str) else backend
+    return isinstance(found, getattr(capabilities, capability))
 
 
 #: small enough that every clipping case clips at every step (the models' gradient norms are larger)

@@ -130,7 +130,13 @@ def run_case(case: Case, backend: Any | None) -> dict[str, Any]:
     else:
         import shardcore
 
+        weights = _without_weights(case, model) if case.empty_weights else None
+        if weights is not None:
+            model, weights = weights
+            freeze(model, case.frozen)
         model = shardcore.shard(model, case.config, backend=backend)
+        if weights is not None:
+            shardcore.load(model, weights)
         runtime = shardcore.handle(model).backend
         world_size = runtime.world().size
     opt = torch.optim.AdamW(model.parameters(), lr=case.lr, weight_decay=0.01, eps=ADAM_EPS)
@@ -174,6 +180,20 @@ def run_case(case: Case, backend: Any | None) -> dict[str, Any]:
         out["checkpoint"] = checkpoint_round_trip(case, model, runtime, state, probe, step_end)
     _note_progress(case, backend, runtime, time.time() - t0)
     return out
+
+
+def _without_weights(case: Case, model: nn.Module) -> tuple[nn.Module, Path]:
+    """``empty_weights``: this rank writes the seed's weights as a FULL checkpoint of its own (no
+    collective is needed before ``shard``), then builds the model again without weights."""
+    import shardcore
+    from shardcore.distributed import env_world
+
+    from .models import _BUILD_LOCK, spec
+
+    path = _scratch_dir(case) / f"initial-rank{env_world()[0]}"
+    shardcore.save(model, path)
+    with _BUILD_LOCK, shardcore.init_empty_weights():
+        return spec(case.model).build(), path
 
 
 def _accumulating(model: nn.Module, backend: Any, last: bool) -> Any:

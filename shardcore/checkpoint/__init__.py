@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..capabilities import SlicedLoading
+from ..empty import awaiting_weights, weights_arrived
 from ..errors import CheckpointError
 from . import atomic, full, keys, manifest
 from .full import OPTIMIZER_META, OPTIMIZER_TENSORS, WEIGHTS, WEIGHTS_INDEX
@@ -79,6 +81,11 @@ def save(
     atomically once the new one is complete; anything else at ``path`` is never touched.
     """
     runtime, cfg = runtime_of(model)
+    if awaiting_weights(model):
+        raise CheckpointError(
+            f"shardcore.save({str(path)!r}): this model was sharded without weights and nothing was loaded into "
+            "it yet, so it would save uninitialized memory. Call shardcore.load(model, path) first."
+        )
     kind = resolve_state_dict_type(state_dict_type, cfg)
     if kind == SHARDED and cfg is None:
         raise CheckpointError(
@@ -176,17 +183,58 @@ def _load_sharded(
     sharded_checkpoints(runtime, "load", path)
     keys.check_sharded(model, src, optimizer)
     runtime.load_sharded_state_dict(model, optimizer, str(src))
+    weights_arrived(model)
 
 
 def _load_full(runtime: Any, model: nn.Module, optimizer: Any, src: Path) -> None:
-    """Every rank checks the file headers; only rank 0 reads tensors, and the backend spreads them."""
+    """Every rank checks the file headers. A backend with SlicedLoading has every rank read only its
+    own slices; otherwise only rank 0 reads tensors, and the backend spreads them."""
     files = full.weight_files(src)
     keys.check_keys(keys.expected_shapes(model), full.file_shapes(files), tied_names(model), str(src))
     opt_files = full.optimizer_files(src, optimizer)
     rank0 = runtime.world().rank == 0
-    state = full.read_weights(files, tied_names(model)) if rank0 else {}
-    runtime.load_full_state_dict(model, state)
-    del state  # rank 0 drops its copy of the weights before it reads the optimizer state
-    if optimizer is not None:
+    sliced = isinstance(runtime, SlicedLoading)
+    if sliced:
+        reader = full.SliceReader(files, tied_names(model))
+        _every_rank_reads(runtime, lambda: runtime.load_full_slices(model, reader.fill))
+    else:
+        state = full.read_weights(files, tied_names(model)) if rank0 else {}
+        runtime.load_full_state_dict(model, state)
+        del state  # rank 0 drops its copy of the weights before it reads the optimizer state
+    weights_arrived(model)
+    if optimizer is None:
+        return
+    if sliced:
+        refs = full.optimizer_refs(*opt_files)
+        reader = full.SliceReader([opt_files[0]], {})
+        part = _every_rank_reads(runtime, lambda: runtime.read_optimizer_slices(model, refs, reader.fill))
+        runtime.load_optimizer_slices(model, optimizer, part)
+    else:
         osd = full.read_optimizer(*opt_files) if rank0 else {}
         runtime.load_full_optimizer_state_dict(model, optimizer, osd)
+
+
+def _every_rank_reads(runtime: Any, read: Any) -> Any:
+    """Each rank reads alone, so a rank whose read fails tells the others before they go on to the
+    next collective (they would wait there for it)."""
+    error: BaseException | None = None
+    out = None
+    try:
+        out = read()
+    except Exception as e:  # noqa: BLE001 - every rank learns of it below, this one re-raises it
+        error = e
+    failed = runtime.all_reduce_sum(torch.tensor(0.0 if error is None else 1.0, device=runtime.world().device))
+    if error is not None:
+        raise (
+            error
+            if isinstance(error, CheckpointError)
+            else CheckpointError(
+                f"shardcore.load: rank {runtime.world().rank} could not read its slices: {type(error).__name__}: {error}"
+            )
+        ) from error
+    if float(failed) > 0:
+        raise CheckpointError(
+            f"shardcore.load: {int(float(failed))} other rank(s) could not read their slices of the checkpoint "
+            "(their own error says why); this rank's model is incomplete."
+        )
+    return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, NamedTuple
 
 import torch
 from torch import nn
@@ -167,6 +167,55 @@ def read_weights(files: Iterable[Path], aliases: Mapping[str, str]) -> dict[str,
     return state
 
 
+#: how much of one tensor a rank copies out of a memory-mapped file at a time: the mapped pages it
+#: touches count in its resident memory until the file is closed, so each piece is read through a
+#: mapping of its own and closed before the next (opening costs a read of the JSON header)
+SLICE_BYTES = 16 * 2**20
+
+
+class SliceReader:
+    """Parts of the tensors of safetensors files, read through memory maps (``safe_open`` and
+    ``get_slice``): a rank copies only the rows it keeps, and no file is ever read whole."""
+
+    def __init__(self, files: Iterable[Path], aliases: Mapping[str, str]) -> None:
+        _, self._open = _safetensors()
+        self._file: dict[str, Path] = {}
+        for f in files:
+            with self._open(str(f), framework="pt") as h:
+                self._file.update(dict.fromkeys(h.keys(), f))
+        # a tied weight is stored once, under either of its names
+        self._aliases = {**{v: k for k, v in aliases.items()}, **aliases}
+
+    def key(self, name: str) -> str:
+        if name in self._file:
+            return name
+        other = self._aliases.get(name)
+        if other in self._file:
+            return other
+        raise CheckpointError(f"shardcore.load: the checkpoint has no tensor {name!r} (nor a tied twin of it).")
+
+    def fill(self, name: str, index: tuple[slice, ...], out: torch.Tensor) -> None:
+        """Copy ``checkpoint[name][index]`` into ``out``, a few MiB of rows at a time."""
+        if out.numel() == 0:
+            return
+        key = self.key(name)
+        path = str(self._file[key])
+        if out.dim() == 0:
+            with self._open(path, framework="pt") as h:
+                out.copy_(h.get_tensor(key))
+            return
+        first = index[0].start or 0
+        per_row = max(1, out[0].numel() * out.element_size())
+        step = max(1, SLICE_BYTES // per_row)
+        with torch.no_grad():
+            for start in range(first, first + out.shape[0], step):
+                stop = min(start + step, first + out.shape[0])
+                with self._open(path, framework="pt") as h:
+                    part = h.get_slice(key)[(slice(start, stop), *index[1:])]
+                out[start - first : stop - first].copy_(part)
+                del part
+
+
 def optimizer_files(src: Path, optimizer: Any) -> tuple[Path, Path]:
     tensors, meta = src / OPTIMIZER_TENSORS, src / OPTIMIZER_META
     if optimizer is not None and not (tensors.is_file() and meta.is_file()):
@@ -180,6 +229,40 @@ def optimizer_files(src: Path, optimizer: Any) -> tuple[Path, Path]:
 def read_optimizer(tensors: Path, meta: Path) -> dict[str, Any]:
     st, _ = _safetensors()
     return _decode(json.loads(meta.read_text()), st.load_file(str(tensors)))
+
+
+class TensorRef(NamedTuple):
+    """A tensor of a checkpoint not read yet: its key in the file, global shape and dtype."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+#: safetensors' dtype names (``get_slice(k).get_dtype()``)
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def optimizer_refs(tensors: Path, meta: Path) -> dict[str, Any]:
+    """The optimizer state dict with a :class:`TensorRef` for every tensor, from the header only."""
+    _, safe_open = _safetensors()
+    refs = {}
+    with safe_open(str(tensors), framework="pt") as h:
+        for k in h.keys():
+            sl = h.get_slice(k)
+            refs[k] = TensorRef(k, tuple(sl.get_shape()), DTYPES[sl.get_dtype()])
+    return _decode(json.loads(meta.read_text()), refs)
 
 
 def _decode(obj: Any, flat: Mapping[str, torch.Tensor]) -> Any:

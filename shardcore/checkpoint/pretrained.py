@@ -1,20 +1,28 @@
 """Loading a Transformers model straight into a sharded run.
 
-With ``cpu_ram_efficient_loading`` every rank but 0 builds the model on the meta device instead
-of reading the weights, so a node does not hold one full copy of the model per process.
+With ``cpu_ram_efficient_loading`` no rank holds a full copy of the model. On a backend with
+:class:`~shardcore.capabilities.SlicedLoading` every rank builds the model without weights, shards
+it, and reads only its own slices of the safetensors files; elsewhere rank 0 reads the weights and
+the other ranks build on the meta device and receive their shards from it.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..capabilities import SlicedLoading
 from ..config import ShardConfig, parse_config
 from ..errors import CheckpointError
+from .keys import tied_names
+
+log = logging.getLogger(__name__)
 
 
 def from_pretrained(
@@ -29,24 +37,97 @@ def from_pretrained(
 
     ``model_cls`` is a Transformers model class or Auto class (``AutoModelForCausalLM``); ``path``
     a local directory (a FULL shardcore checkpoint is one). With ``cpu_ram_efficient_loading: true``
-    in ``config`` only rank 0 reads the weights; every other rank builds the model from its
-    ``config.json`` on the meta device, and ``shard`` broadcasts rank 0's weights (and non-persistent
-    buffers such as rotary ``inv_freq``) while sharding. Peak CPU memory on those ranks is then about
-    their shard, not the whole model.
+    in ``config`` no rank reads the whole model:
+
+    * on a backend with sliced loading (FSDP2), every rank builds the model from ``config.json``
+      under :func:`shardcore.init_empty_weights`, shards it, and :func:`shardcore.load` reads only
+      its own rows of each tensor from ``model.safetensors`` (or the shards of its index). Peak CPU
+      memory per rank is about its shard. A checkpoint whose names need Transformers' own renaming
+      is read the other way, below, with a warning.
+    * otherwise only rank 0 reads the weights; every other rank builds the model on the meta
+      device, and ``shard`` broadcasts rank 0's weights (and non-persistent buffers such as rotary
+      ``inv_freq``) while sharding.
+
+    Without the key every rank runs ``from_pretrained`` itself, as Transformers does.
     """
     from ..api import shard
+    from ..backend import resolve_backend
     from ..distributed import env_world
 
     cfg = parse_config(config)
+    if cfg.cpu_ram_efficient_loading:
+        chosen = resolve_backend(cfg, backend)
+        if isinstance(chosen, SlicedLoading):
+            sliced = _sliced(model_cls, path, cfg, chosen, kwargs)
+            if sliced is not None:
+                return sliced
+            backend = chosen
     rank = env_world()[0]
     if cfg.cpu_ram_efficient_loading and rank == 0 and not cfg.xla_fsdp_v2:
         # ranks that are not launcher processes (XLA FSDP's device threads) know their rank from the backend
-        from ..backend import resolve_backend
-
         rank = resolve_backend(cfg, backend).world().rank
     with _BUILD_LOCK:
         model = _build_pretrained(model_cls, path, cfg, rank, kwargs)
     return shard(model, cfg, backend=backend)
+
+
+def _sliced(model_cls: Any, path: Any, cfg: ShardConfig, backend: Any, kwargs: dict[str, Any]) -> nn.Module | None:
+    """Build without weights on every rank, shard, read each rank's slices; None (rank-0 path)
+    where the files are not safetensors or their names are not the model's."""
+    from .. import empty
+    from ..api import shard
+    from . import full, keys, load
+
+    src = Path(path)
+    try:
+        files = full.weight_files(src)
+    except CheckpointError as e:
+        log.warning("shardcore.from_pretrained: reading on rank 0 only, no sliced load here: %s", e)
+        return None
+    found = full.file_shapes(files)
+    with _BUILD_LOCK:
+        model = _from_config(model_cls, path, kwargs, _checkpoint_dtype(files, kwargs), empty.init_empty_weights())
+    wanted = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    try:
+        keys.check_keys(wanted, found, tied_names(model), str(src))
+    except CheckpointError as e:
+        log.warning("shardcore.from_pretrained: reading on rank 0 only (Transformers renames these keys): %s", e)
+        return None
+    model = shard(model, cfg, backend=backend)
+    load(model, src)
+    return model.eval()  # as Transformers' from_pretrained returns it
+
+
+def _checkpoint_dtype(files: list[Path], kwargs: dict[str, Any]) -> Any:
+    """The dtype Transformers' from_pretrained would give the model: the one asked for, or under its
+    default ``"auto"`` that of the checkpoint's first floating-point tensor."""
+    asked = kwargs.get("dtype", kwargs.get("torch_dtype"))
+    if asked not in (None, "auto"):
+        return asked
+    from .full import DTYPES, _safetensors
+
+    _, safe_open = _safetensors()
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                dtype = DTYPES.get(h.get_slice(k).get_dtype())
+                if dtype is not None and dtype.is_floating_point:
+                    return dtype
+    return None
+
+
+def _from_config(model_cls: Any, path: Any, kwargs: dict[str, Any], dtype: Any, context: Any) -> nn.Module:
+    try:
+        from transformers import AutoConfig
+    except ImportError as e:  # pragma: no cover - transformers is an extra
+        raise CheckpointError("shardcore.from_pretrained needs transformers: pip install 'shardcore[hf]'.") from e
+    hf_config = AutoConfig.from_pretrained(path, **{k: kwargs[k] for k in ("trust_remote_code",) if k in kwargs})
+    build_kwargs = {k: kwargs[k] for k in ("attn_implementation", "trust_remote_code") if k in kwargs}
+    if dtype is not None:
+        build_kwargs["dtype"] = dtype
+    build = getattr(model_cls, "from_config", None) or getattr(model_cls, "_from_config")
+    with context:
+        return build(hf_config, **build_kwargs)
 
 
 # Device threads (XLA FSDP on CPU) may call from_pretrained at once, and Transformers' lazy module
@@ -58,15 +139,6 @@ def _build_pretrained(
     model_cls: Any, path: str | os.PathLike, cfg: ShardConfig, rank: int, kwargs: dict[str, Any]
 ) -> nn.Module:
     if cfg.cpu_ram_efficient_loading and rank != 0:
-        try:
-            from transformers import AutoConfig
-        except ImportError as e:  # pragma: no cover - transformers is an extra
-            raise CheckpointError("shardcore.from_pretrained needs transformers: pip install 'shardcore[hf]'.") from e
-        hf_config = AutoConfig.from_pretrained(path)
-        build_kwargs = {
-            k: kwargs[k] for k in ("dtype", "torch_dtype", "attn_implementation", "trust_remote_code") if k in kwargs
-        }
-        build = getattr(model_cls, "from_config", None) or getattr(model_cls, "_from_config")
-        with torch.device("meta"):
-            return build(hf_config, **build_kwargs)
+        dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+        return _from_config(model_cls, path, kwargs, None if dtype == "auto" else dtype, torch.device("meta"))
     return model_cls.from_pretrained(path, **kwargs)

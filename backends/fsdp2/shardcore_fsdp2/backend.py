@@ -23,18 +23,28 @@ from shardcore.capabilities import (
     GradSyncControl,
     ModelValidation,
     ShardedCheckpoints,
+    SlicedLoading,
 )
 from shardcore.config import ShardConfig
 from shardcore.distributed import TorchDistributedRuntime, ensure_process_group
+from shardcore.empty import await_weights, materialize_empty, weights_state
 from shardcore.plan import WrapPlan
-from shardcore.ties import retie, tie_groups, ties_kept
-from shardcore.validate import check_rank0_weights, data_parallel_shape, layout
+from shardcore.ties import ties_kept
+from shardcore.validate import check_rank0_weights, data_parallel_shape
+
+from . import loading
 
 log = logging.getLogger(__name__)
 
 
 class FSDP2Backend(
-    TorchDistributedRuntime, ShardedCheckpoints, GradClipping, GradSyncControl, ModelValidation, GlobalGradSquares
+    TorchDistributedRuntime,
+    ShardedCheckpoints,
+    GradClipping,
+    GradSyncControl,
+    ModelValidation,
+    GlobalGradSquares,
+    SlicedLoading,
 ):
     """world/barrier/all_reduce_sum/broadcast_object/local_batch come from TorchDistributedRuntime."""
 
@@ -82,18 +92,25 @@ class FSDP2Backend(
             kwargs["mp_policy"] = MixedPrecisionPolicy(**config.mixed_precision.torch_dtypes())
         if config.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-        # cpu_ram_efficient_loading: shard on the meta device, then broadcast rank 0's weights
+        # cpu_ram_efficient_loading: shard on the meta device, then fill the shards, either from the
+        # checkpoint later (every rank built the model without weights) or from rank 0's weights now
+        empty = config.cpu_ram_efficient_loading and self.broadcast_object(weights_state(model) == "empty")
         from_rank0 = (
-            _take_rank0_weights(model) if config.cpu_ram_efficient_loading and dist.get_world_size() > 1 else None
+            loading.take_rank0_weights(model)
+            if config.cpu_ram_efficient_loading and not empty and dist.get_world_size() > 1
+            else None
         )
         for unit in plan.modules(model):
             if config.activation_checkpointing:
                 checkpoint_forward(unit)
             fully_shard(unit, **kwargs)
         fully_shard(model, **kwargs)
-        if from_rank0 is not None:
+        if empty:
+            materialize_empty(model, self._device())
+            await_weights(model)
+        elif from_rank0 is not None:
             self.load_full_state_dict(model, from_rank0[0])
-            _broadcast_buffers(model, from_rank0[1], self._device())
+            loading.broadcast_buffers(model, from_rank0[1], self._device())
         return model
 
     def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
@@ -111,6 +128,17 @@ class FSDP2Backend(
             set_model_state_dict(
                 model, state_dict, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
             )
+
+    def load_full_slices(self, model: nn.Module, fill: Any) -> None:
+        loading.fill_shards(model, fill)
+
+    def read_optimizer_slices(self, model: nn.Module, osd: dict[str, Any], fill: Any) -> dict[str, Any]:
+        return loading.read_optimizer_slices(model, osd, fill)
+
+    def load_optimizer_slices(self, model: nn.Module, optimizer: torch.optim.Optimizer, part: Any) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(model, optimizer, part)
 
     def full_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -173,7 +201,9 @@ class FSDP2Backend(
         ensure_process_group(config.timeout, torch.cuda.is_available())
         data_parallel_shape(config, dist.get_world_size())
         if config.cpu_ram_efficient_loading:
-            check_rank0_weights(model, dist.get_rank(), self.broadcast_object, _all_gather_object)
+            check_rank0_weights(
+                model, dist.get_rank(), self.broadcast_object, loading.all_gather_object, weights_later=True
+            )
 
     # -- helpers --------------------------------------------------------------------------------
     def mesh(self, config: ShardConfig):
@@ -236,64 +266,3 @@ def _sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) ->
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
     return state
-
-
-def _take_rank0_weights(model: nn.Module) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Before sharding with cpu_ram_efficient_loading: keep rank 0's weights aside and move every
-    rank's model to the meta device, so that sharding allocates nothing and rank 0's weights can be
-    broadcast into the shards afterwards. Returns (rank 0's state dict, its non-persistent buffers);
-    both empty on the other ranks, whose model may have been built on the meta device.
-    ``validate_model`` has checked that the ranks' models agree."""
-    rank = dist.get_rank()
-    tensors = {
-        **dict(model.named_parameters(remove_duplicate=False)),
-        **dict(model.named_buffers(remove_duplicate=False)),
-    }
-    box = [layout(model)]
-    dist.broadcast_object_list(box, src=0)
-    rank0_layout = box[0]
-
-    non_persistent = [
-        f"{prefix}.{name}" if prefix else name
-        for prefix, mod in model.named_modules()
-        for name in mod._non_persistent_buffers_set
-        if mod._buffers.get(name) is not None
-    ]
-    state = model.state_dict() if rank == 0 else {}
-    buffers = {k: tensors[k] for k in non_persistent} if rank == 0 else {}
-    groups = tie_groups(model)
-    model.to(torch.device("meta"))
-    # the other ranks take rank 0's dtypes, so that every rank shards the same thing
-    for prefix, mod in model.named_modules(remove_duplicate=False):
-        for slot in (mod._parameters, mod._buffers):
-            for name, t in list(slot.items()):
-                want = None if t is None else getattr(torch, rank0_layout[f"{prefix}.{name}" if prefix else name][1])
-                if want is not None and t.dtype != want:
-                    new = torch.empty_like(t, dtype=want)
-                    slot[name] = (
-                        nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
-                    )
-    retie(groups)  # .to() gives each module its own new Parameter
-    return state, buffers
-
-
-def _all_gather_object(obj: Any) -> list[Any]:
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _broadcast_buffers(model: nn.Module, rank0_buffers: dict[str, torch.Tensor], device: torch.device) -> None:
-    """Non-persistent buffers (rotary ``inv_freq``...) are in no state dict: send rank 0's to all."""
-    for prefix, mod in model.named_modules():
-        for name in sorted(mod._non_persistent_buffers_set):
-            buf = mod._buffers.get(name)
-            if buf is None:
-                continue
-            fqn = f"{prefix}.{name}" if prefix else name
-            if dist.get_rank() == 0:
-                t = rank0_buffers[fqn].detach().to(device).contiguous()
-            else:
-                t = torch.empty(buf.shape, dtype=buf.dtype, device=device)
-            dist.broadcast(t, src=0)
-            mod.register_buffer(name, t, persistent=False)

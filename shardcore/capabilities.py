@@ -152,15 +152,23 @@ class GlobalGradSquares(Protocol):
 
 @runtime_checkable
 class SlicedLoading(Protocol):
-    """Every rank reads only its own slices of a FULL checkpoint, and models without weights shard.
+    """Every rank reads only its own slices of a FULL checkpoint.
 
     With it, :func:`shardcore.load` of a FULL checkpoint (``model.safetensors`` or an index of
-    shards) has each rank read, through the files' memory maps, only the parts of each tensor it
-    keeps, and ``apply`` accepts a model whose parameters are on the meta device on every rank
-    (``cpu_ram_efficient_loading``, built with :func:`shardcore.init_empty_weights`): it leaves empty
-    shards (:func:`shardcore.empty.materialize_empty`) and calls
-    :func:`shardcore.empty.await_weights` so no forward runs before the load. Without it, rank 0
-    reads the whole file and ``load_full_state_dict`` spreads it."""
+    shards) has each rank read, through the files' memory maps, only the parts of each tensor (and
+    of the optimizer state shaped like them) it keeps. Without it, rank 0 reads the whole file and
+    ``load_full_state_dict`` spreads it.
+
+    Where :meth:`shards_without_weights` says so, ``apply`` also accepts a model whose parameters
+    are on the meta device on every rank (``cpu_ram_efficient_loading``, built with
+    :func:`shardcore.init_empty_weights`): it leaves empty shards
+    (:func:`shardcore.empty.materialize_empty`) and calls :func:`shardcore.empty.await_weights`, so
+    that no forward runs before the load; ``shardcore.from_pretrained`` then never reads the model
+    whole on any rank."""
+
+    def shards_without_weights(self, config: ShardConfig) -> bool:
+        """Whether ``apply`` shards a model without weights (see above) under ``config``."""
+        ...
 
     def load_full_slices(self, model: nn.Module, fill: Callable[[str, tuple[slice, ...], Any], None]) -> None:
         """For every parameter and persistent buffer of ``model`` (state-dict names), call

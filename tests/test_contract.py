@@ -74,7 +74,11 @@ def test_declared_capabilities_of_the_shipped_backends():
             "ModelValidation",
             "CompileCounter",
             "RenamesParameters",
+            "SlicedLoading",
         }
+        # XLA reads FULL checkpoints in slices but shards only models with weights
+        assert not shardcore.get_backend("xla").shards_without_weights(shardcore.parse_config({"xla": True}))
+    assert shardcore.get_backend("fsdp2").shards_without_weights(shardcore.parse_config({}))
 
 
 class _DeclaresWithoutDefining(PlainBackend, StepEnd):

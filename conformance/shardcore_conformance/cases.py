@@ -216,7 +216,7 @@ def _matrix(backend: Any, world_size: int = 2, dtype: str | None = None) -> list
             )
     if "cpu_ram_efficient_loading" in keys:
         add("llama-cpu_ram_efficient_loading", "llama", {"cpu_ram_efficient_loading": True}, family="checkpoint")
-        if _declares(backend, "SlicedLoading"):  # persistent buffers are read from the file too
+        if _shards_without_weights(backend):  # persistent buffers are read from the file too
             for model in ("llama", "mlp_buffers"):
                 add(
                     f"{model}-empty_weights",
@@ -342,16 +342,24 @@ def _hsdp_cases(add: Any, keys: frozenset[str], world_size: int, clips: bool) ->
 
 def _clips(backend: Any) -> bool:
     """Whether the backend declares gradient clipping (shardcore.capabilities.GradClipping)."""
-    return _declares(backend, "GradClipping")
+    from shardcore.capabilities import GradClipping
+
+    return isinstance(_instance(backend), GradClipping)
 
 
-def _declares(backend: Any, capability: str) -> bool:
-    """Whether the backend declares ``shardcore.capabilities.<capability>``."""
+def _shards_without_weights(backend: Any) -> bool:
+    """Whether the backend shards models built without weights (SlicedLoading) in its default mode."""
     import shardcore
-    from shardcore import capabilities
+    from shardcore.capabilities import SlicedLoading
 
-    found = shardcore.get_backend(backend) if isinstance(backend, str) else backend
-    return isinstance(found, getattr(capabilities, capability))
+    found = _instance(backend)
+    return isinstance(found, SlicedLoading) and found.shards_without_weights(shardcore.parse_config({}))
+
+
+def _instance(backend: Any) -> Any:
+    import shardcore
+
+    return shardcore.get_backend(backend) if isinstance(backend, str) else backend
 
 
 #: small enough that every clipping case clips at every step (the models' gradient norms are larger)

@@ -39,7 +39,7 @@ def from_pretrained(
     a local directory (a FULL shardcore checkpoint is one). With ``cpu_ram_efficient_loading: true``
     in ``config`` no rank reads the whole model:
 
-    * on a backend with sliced loading (FSDP2), every rank builds the model from ``config.json``
+    * on a backend that shards models without weights (FSDP2; ``SlicedLoading``), every rank builds the model from ``config.json``
       under :func:`shardcore.init_empty_weights`, shards it, and :func:`shardcore.load` reads only
       its own rows of each tensor from ``model.safetensors`` (or the shards of its index). Peak CPU
       memory per rank is about its shard. A checkpoint whose names need Transformers' own renaming
@@ -57,7 +57,7 @@ def from_pretrained(
     cfg = parse_config(config)
     if cfg.cpu_ram_efficient_loading:
         chosen = resolve_backend(cfg, backend)
-        if isinstance(chosen, SlicedLoading):
+        if isinstance(chosen, SlicedLoading) and chosen.shards_without_weights(cfg):
             sliced = _sliced(model_cls, path, cfg, chosen, kwargs)
             if sliced is not None:
                 return sliced

@@ -24,6 +24,9 @@
                                                           hook (BACKEND: xla, or module:Class)
     python xla.py spawn    MODE                 -> xmp.spawn straight away (no shardcore launcher):
                                                           prints the error shard() raises, as JSON
+    python xla.py sliced   MODE CKPT            -> shardcore.load of a FULL checkpoint with AdamW state, read
+                                                          in slices, against the rank-0 path: JSON of the
+                                                          mismatches and of each rank's elements read
     python xla.py refusals MODE                 -> shard() with what validate_model refuses, then a
                                                           good config, then an odd batch: JSON of every
                                                           device's errors and the devices apply ran on
@@ -173,6 +176,73 @@ def efficient(mode: str, hf_dir: str, rank: int, emit) -> None:
     )
 
 
+_SLICE_READS: dict[int, int] = {}
+
+
+def sliced(mode: str, src: str, rank: int, emit) -> None:
+    """The sliced path of shardcore.load against the rank-0 path, on the same checkpoint."""
+    import safetensors.torch
+    import torch_xla.runtime as xr
+
+    import shardcore.checkpoint as ckpt
+
+    want, backend = sharded_llama(mode)
+    want_opt = torch.optim.AdamW(want.parameters(), lr=1e-2)
+    files = ckpt.full.weight_files(ckpt.atomic.resolve_checkpoint(src))
+    backend.load_full_state_dict(want, ckpt.full.read_weights(files, backend.tied_aliases(want)) if rank == 0 else {})
+    osd = ckpt.full.read_optimizer(*ckpt.full.optimizer_files(files[0].parent, want_opt)) if rank == 0 else {}
+    backend.load_full_optimizer_state_dict(want, want_opt, osd)
+
+    fill = ckpt.full.SliceReader.fill
+
+    def counting(self, name, index, out):
+        me = 0 if mode == "spmd" else xr.global_ordinal()
+        _SLICE_READS[me] = _SLICE_READS.get(me, 0) + out.numel()
+        return fill(self, name, index, out)
+
+    def whole_file(*a, **k):
+        raise AssertionError("a whole safetensors file was read on the sliced path")
+
+    got, _ = sharded_llama(mode)
+    opt = torch.optim.AdamW(got.parameters(), lr=1e-2)
+    real = safetensors.torch.load_file
+    # device threads share the module attributes: patch once, while no thread is reading
+    backend.barrier()
+    if rank == 0:
+        ckpt.full.SliceReader.fill, safetensors.torch.load_file = counting, whole_file
+    backend.barrier()
+    shardcore.load(got, src, opt)
+    backend.barrier()
+    if rank == 0:
+        ckpt.full.SliceReader.fill, safetensors.torch.load_file = fill, real
+    differs = [
+        i for i, (a, b) in enumerate(zip(want.parameters(), got.parameters())) if not torch.equal(a.cpu(), b.cpu())
+    ]
+    for a, b in zip(want.parameters(), got.parameters()):
+        sa, sb = want_opt.state[a], opt.state[b]
+        if sorted(sa) != sorted(sb) or any(
+            not torch.equal(torch.as_tensor(sa[k]).cpu(), torch.as_tensor(sb[k]).cpu()) for k in sa
+        ):
+            differs.append(f"optimizer {sorted(sa)} vs {sorted(sb)}")
+    bad = backend.all_reduce_sum(torch.tensor(float(len(differs))).to(backend.world().device)).cpu()
+    backend.barrier()
+    weights = real(str(files[0]))
+    state = real(str(files[0].parent / ckpt.OPTIMIZER_TENSORS))
+    emit(
+        json.dumps(
+            {
+                "differs": float(bad),
+                "reads": [_SLICE_READS.get(r, 0) for r in range(backend.world().size)],
+                "weight_elements": sum(t.numel() for t in weights.values()),
+                "state_elements": sum(t.numel() for t in state.values() if t.dim()),
+                "state_scalars": sum(1 for t in state.values() if not t.dim()),
+                "optimizer_entries": sum(len(st) for st in opt.state.values()),
+            }
+        ),
+        flush=True,
+    )
+
+
 class RecordsApply(XLABackend):
     """The XLA backend, recording the device of every apply call."""
 
@@ -254,6 +324,9 @@ def run(cmd: str, mode: str, rank: int) -> None:
         return
     if cmd == "refusals":
         refusals(rank, emit)
+        return
+    if cmd == "sliced":
+        sliced(mode, sys.argv[3], rank, emit)
         return
     if cmd == "recycled":
         emit(json.dumps(recycled_id(sys.argv[3])), flush=True)

@@ -129,6 +129,9 @@ class FSDP2Backend(
                 model, state_dict, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
             )
 
+    def shards_without_weights(self, config: ShardConfig) -> bool:
+        return True
+
     def load_full_slices(self, model: nn.Module, fill: Any) -> None:
         loading.fill_shards(model, fill)
 

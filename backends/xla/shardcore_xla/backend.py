@@ -12,12 +12,10 @@
 The wrapping decision is the plan's: torch_xla's own auto-wrap machinery is handed a policy that says
 yes exactly to the plan's unit modules.
 
-This class only delegates: settings.py turns the config into torch_xla arguments and checks it,
-collectives.py is how the ranks meet in each mode, state_dict.py the FULL state dicts, sharded.py the
-SHARDED ones, launching.py starts the ranks, cpu.py is the recipe for several CPU devices and
-unit_fix.py shardcore's fixes for torch_xla bugs. Every config error is raised by :meth:`validate`
-(the config alone) or :meth:`validate_model` (this model and the other devices'), before
-:meth:`apply`, which raises none.
+This class only delegates: settings.py (config to torch_xla arguments, and its checks), collectives.py
+(how ranks meet), state_dict.py / slices.py / sharded.py (FULL, sliced FULL, SHARDED checkpoints),
+launching.py, cpu.py (several CPU devices), unit_fix.py (fixes for torch_xla bugs). Config errors come
+from :meth:`validate` or :meth:`validate_model`, before :meth:`apply`, which raises none.
 """
 
 from __future__ import annotations
@@ -43,16 +41,16 @@ from shardcore.capabilities import (
     ModelValidation,
     RenamesParameters,
     ShardedCheckpoints,
+    SlicedLoading,
     StepEnd,
 )
 from shardcore.config import ShardConfig
 from shardcore.distributed import check_batch_divides
-from shardcore.errors import ShardConfigError
 from shardcore.plan import WrapPlan
 from shardcore.ties import tied_names
 from shardcore.validate import check_rank0_weights
 
-from . import cpu, fsdp, launching, settings, sharded, spmd
+from . import cpu, fsdp, launching, settings, sharded, slices, spmd
 from . import state_dict as states
 from .collectives import Ranks
 
@@ -68,6 +66,7 @@ class XLABackend(
     ModelValidation,
     CompileCounter,
     RenamesParameters,
+    SlicedLoading,
 ):
     name = "xla"
     install_hint = "pip install torch==2.9.0 torch_xla==2.9.0 && pip install -e backends/xla"
@@ -106,16 +105,7 @@ class XLABackend(
     # -- validation (shard() runs it before apply) ---------------------------------------------------
     def validate(self, config: ShardConfig) -> None:
         """Raise ShardConfigError for settings or keys this backend refuses, from the config alone."""
-        if self._spmd is not None and self._spmd != config.xla_fsdp_v2:
-            raise ShardConfigError(
-                "xla_fsdp_v2",
-                f"is {config.xla_fsdp_v2} but this process already sharded a model with xla_fsdp_v2={self._spmd}; SPMD "
-                "mode is global to a process. Use one mode per process.",
-            )
-        if config.xla_fsdp_v2:
-            settings.check_spmd_settings(config)
-        else:
-            settings.check_fsdp_settings(config)
+        settings.check_config(config, self._spmd)
 
     def validate_model(self, model: nn.Module, plan: WrapPlan, config: ShardConfig) -> None:
         """What :meth:`apply` would otherwise meet halfway: SPMD cannot fill a meta-device model; each
@@ -181,10 +171,8 @@ class XLABackend(
 
     # -- ranks ----------------------------------------------------------------------------------------
     def world(self) -> World:
-        import torch_xla
-
-        # under SPMD one controller drives every device: a single rank whose values are already global
-        return World(self._ranks.rank(), self._ranks.size(), torch_xla.device())
+        """Under SPMD one controller drives every device: a single rank whose values are global."""
+        return World(self._ranks.rank(), self._ranks.size(), importlib.import_module("torch_xla").device())
 
     def barrier(self) -> None:
         self._ranks.barrier()
@@ -214,9 +202,7 @@ class XLABackend(
 
     def compile_count(self) -> int:
         """XLA compilations so far in this process (torch_xla's ``UncachedCompile`` counter)."""
-        import torch_xla.debug.metrics as met
-
-        return int(met.counter_value("UncachedCompile") or 0)
+        return int(importlib.import_module("torch_xla.debug.metrics").counter_value("UncachedCompile") or 0)
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
         """SPMD parameters are global, so torch's own function is right. Under XLA FSDP each rank
@@ -232,7 +218,7 @@ class XLABackend(
             return contextlib.nullcontext()
         return model.no_sync()
 
-    # -- checkpoints: the same FULL format as every backend (one unsharded state dict, original names)
+    # -- checkpoints: the FULL format of every backend (one unsharded state dict, original names)
     def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
         """One unsharded state dict with the original parameter names, on CPU (every rank gets it).
 
@@ -259,6 +245,19 @@ class XLABackend(
     def load_full_optimizer_state_dict(self, model: nn.Module, optimizer: Any, state: dict[str, Any]) -> None:
         states.load_full_optimizer_state_dict(model, optimizer, state, self._ranks)
         self.step_end()
+
+    # -- sliced FULL reads (slices.py); no models without weights: XLA FSDP wraps real tensors
+    def shards_without_weights(self, config: ShardConfig) -> bool:
+        return False
+
+    def load_full_slices(self, model: nn.Module, fill: Any) -> None:
+        slices.load_full_slices(model, fill, self._ranks)
+
+    def read_optimizer_slices(self, model: nn.Module, osd: dict[str, Any], fill: Any) -> dict[str, Any]:
+        return slices.read_optimizer_slices(model, osd, fill, self._ranks)
+
+    def load_optimizer_slices(self, model: nn.Module, optimizer: Any, part: dict[str, Any]) -> None:
+        slices.load_optimizer_slices(model, optimizer, part, self._ranks)
 
     def save_sharded_state_dict(self, model: nn.Module, optimizer: Any, path: str) -> None:
         """SPMD: torch.distributed.checkpoint with torch_xla's SPMD planners. XLA FSDP: each rank

@@ -37,6 +37,21 @@ def fsdp_parameters() -> dict[str, inspect.Parameter]:
     return {n: p for n, p in params.items() if n not in ("self", "module") and not n.startswith("_")}
 
 
+def check_config(config: ShardConfig, spmd_mode: bool | None) -> None:
+    """The backend's checks of the config alone; ``spmd_mode`` is this process's mode once a model
+    was validated or sharded (None before)."""
+    if spmd_mode is not None and spmd_mode != config.xla_fsdp_v2:
+        raise ShardConfigError(
+            "xla_fsdp_v2",
+            f"is {config.xla_fsdp_v2} but this process already sharded a model with xla_fsdp_v2={spmd_mode}; SPMD "
+            "mode is global to a process. Use one mode per process.",
+        )
+    if config.xla_fsdp_v2:
+        check_spmd_settings(config)
+    else:
+        check_fsdp_settings(config)
+
+
 def check_fsdp_settings(config: ShardConfig) -> None:
     """``xla_fsdp_settings`` checked against ``XlaFullyShardedDataParallel``'s arguments, each value
     against what the Trainer's conversion accepts; and no replicas (HSDP is SPMD only)."""

@@ -366,6 +366,24 @@ def test_init_empty_weights_keeps_buffers_and_a_model_without_weights_waits_for_
     model(input_ids=torch.arange(8).reshape(1, 8))
 
 
+def test_from_pretrained_without_weights_takes_the_dtype_transformers_would(tmp_path):
+    """dtype="auto" (Transformers' default): the config's dtype, else the checkpoint's first float
+    tensor's; an explicit dtype wins."""
+    from safetensors.torch import save_file
+
+    from shardcore.checkpoint.pretrained import _auto_dtype
+
+    f = tmp_path / "w.safetensors"
+    save_file({"a.steps": torch.zeros(2, dtype=torch.int64), "b.weight": torch.zeros(2, dtype=torch.bfloat16)}, str(f))
+    cfg = tiny_llama_config()
+    cfg.dtype = None
+    assert _auto_dtype(cfg, [f], {}) == torch.bfloat16
+    assert _auto_dtype(cfg, [f], {"dtype": "auto"}) == torch.bfloat16
+    cfg.dtype = torch.float16
+    assert _auto_dtype(cfg, [f], {}) == torch.float16
+    assert _auto_dtype(cfg, [f], {"torch_dtype": torch.float32}) == torch.float32
+
+
 def test_plain_safetensors_file_loads(tmp_path):
     from safetensors.torch import save_file
 

@@ -85,8 +85,11 @@ def _sliced(model_cls: Any, path: Any, cfg: ShardConfig, backend: Any, kwargs: d
         log.warning("shardcore.from_pretrained: reading on rank 0 only, no sliced load here: %s", e)
         return None
     found = full.file_shapes(files)
+    hf_config = _hf_config(path, kwargs)
     with _BUILD_LOCK:
-        model = _from_config(model_cls, path, kwargs, _checkpoint_dtype(files, kwargs), empty.init_empty_weights())
+        model = _from_config(
+            model_cls, hf_config, kwargs, _auto_dtype(hf_config, files, kwargs), empty.init_empty_weights()
+        )
     wanted = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     try:
         keys.check_keys(wanted, found, tied_names(model), str(src))
@@ -98,12 +101,14 @@ def _sliced(model_cls: Any, path: Any, cfg: ShardConfig, backend: Any, kwargs: d
     return model.eval()  # as Transformers' from_pretrained returns it
 
 
-def _checkpoint_dtype(files: list[Path], kwargs: dict[str, Any]) -> Any:
+def _auto_dtype(hf_config: Any, files: list[Path], kwargs: dict[str, Any]) -> Any:
     """The dtype Transformers' from_pretrained would give the model: the one asked for, or under its
-    default ``"auto"`` that of the checkpoint's first floating-point tensor."""
+    default ``"auto"`` the config's ``dtype``, else that of the checkpoint's first floating-point tensor."""
     asked = kwargs.get("dtype", kwargs.get("torch_dtype"))
     if asked not in (None, "auto"):
         return asked
+    if getattr(hf_config, "dtype", None) is not None:
+        return hf_config.dtype
     from .full import DTYPES, _safetensors
 
     _, safe_open = _safetensors()
@@ -116,12 +121,15 @@ def _checkpoint_dtype(files: list[Path], kwargs: dict[str, Any]) -> Any:
     return None
 
 
-def _from_config(model_cls: Any, path: Any, kwargs: dict[str, Any], dtype: Any, context: Any) -> nn.Module:
+def _hf_config(path: Any, kwargs: dict[str, Any]) -> Any:
     try:
         from transformers import AutoConfig
     except ImportError as e:  # pragma: no cover - transformers is an extra
         raise CheckpointError("shardcore.from_pretrained needs transformers: pip install 'shardcore[hf]'.") from e
-    hf_config = AutoConfig.from_pretrained(path, **{k: kwargs[k] for k in ("trust_remote_code",) if k in kwargs})
+    return AutoConfig.from_pretrained(path, **{k: kwargs[k] for k in ("trust_remote_code",) if k in kwargs})
+
+
+def _from_config(model_cls: Any, hf_config: Any, kwargs: dict[str, Any], dtype: Any, context: Any) -> nn.Module:
     build_kwargs = {k: kwargs[k] for k in ("attn_implementation", "trust_remote_code") if k in kwargs}
     if dtype is not None:
         build_kwargs["dtype"] = dtype
@@ -140,5 +148,6 @@ def _build_pretrained(
 ) -> nn.Module:
     if cfg.cpu_ram_efficient_loading and rank != 0:
         dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
-        return _from_config(model_cls, path, kwargs, None if dtype == "auto" else dtype, torch.device("meta"))
+        meta = torch.device("meta")
+        return _from_config(model_cls, _hf_config(path, kwargs), kwargs, None if dtype == "auto" else dtype, meta)
     return model_cls.from_pretrained(path, **kwargs)

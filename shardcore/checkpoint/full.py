@@ -140,20 +140,50 @@ def weight_files(src: Path) -> list[Path]:
     )
 
 
-def file_shapes(files: Iterable[Path]) -> dict[str, tuple[int, ...]]:
-    """Every key and shape in ``files``, from the headers only: checking them costs no tensor reads."""
+class TensorRef(NamedTuple):
+    """A tensor of a checkpoint, not read: its key, global shape, dtype (None for one torch lacks a
+    name for here) and the file holding it."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None
+    file: Path
+
+
+#: safetensors' dtype names (``get_slice(k).get_dtype()``)
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def file_tensors(files: Iterable[Path]) -> dict[str, TensorRef]:
+    """Every tensor in ``files``, from the headers only: checking them costs no tensor reads."""
     _, safe_open = _safetensors()
-    out: dict[str, tuple[int, ...]] = {}
+    out: dict[str, TensorRef] = {}
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as h:
                 for k in h.keys():
-                    out[k] = tuple(h.get_slice(k).get_shape())
+                    sl = h.get_slice(k)
+                    out[k] = TensorRef(k, tuple(sl.get_shape()), DTYPES.get(sl.get_dtype()), f)
         except CheckpointError:
             raise
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
             raise CheckpointError(f"shardcore.load: {str(f)!r} is not a readable safetensors file ({e}).") from None
     return out
+
+
+def file_shapes(files: Iterable[Path]) -> dict[str, tuple[int, ...]]:
+    return {k: ref.shape for k, ref in file_tensors(files).items()}
 
 
 def read_weights(files: Iterable[Path], aliases: Mapping[str, str]) -> dict[str, torch.Tensor]:
@@ -179,10 +209,7 @@ class SliceReader:
 
     def __init__(self, files: Iterable[Path], aliases: Mapping[str, str]) -> None:
         _, self._open = _safetensors()
-        self._file: dict[str, Path] = {}
-        for f in files:
-            with self._open(str(f), framework="pt") as h:
-                self._file.update(dict.fromkeys(h.keys(), f))
+        self._file = {k: ref.file for k, ref in file_tensors(files).items()}
         # a tied weight is stored once, under either of its names
         self._aliases = {**{v: k for k, v in aliases.items()}, **aliases}
 
@@ -231,37 +258,14 @@ def read_optimizer(tensors: Path, meta: Path) -> dict[str, Any]:
     return _decode(json.loads(meta.read_text()), st.load_file(str(tensors)))
 
 
-class TensorRef(NamedTuple):
-    """A tensor of a checkpoint not read yet: its key in the file, global shape and dtype."""
-
-    key: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-#: safetensors' dtype names (``get_slice(k).get_dtype()``)
-DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
 def optimizer_refs(tensors: Path, meta: Path) -> dict[str, Any]:
     """The optimizer state dict with a :class:`TensorRef` for every tensor, from the header only."""
-    _, safe_open = _safetensors()
-    refs = {}
-    with safe_open(str(tensors), framework="pt") as h:
-        for k in h.keys():
-            sl = h.get_slice(k)
-            refs[k] = TensorRef(k, tuple(sl.get_shape()), DTYPES[sl.get_dtype()])
+    refs = file_tensors([tensors])
+    odd = sorted(k for k, ref in refs.items() if ref.dtype is None)
+    if odd:
+        raise CheckpointError(
+            f"shardcore.load: {str(tensors)!r} holds tensors of a dtype shardcore cannot read: {odd[:3]}."
+        )
     return _decode(json.loads(meta.read_text()), refs)
 
 

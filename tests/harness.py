@@ -122,14 +122,56 @@ def start_ranks(
     return procs
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux /proc; none found elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc``'s process group and every process below it: torchrun starts each rank in a
+    session of its own, which the group kill alone leaves running (sleeping in a test hook, then
+    writing into a finished test's directory)."""
+    below = _descendants(proc.pid)
+    for pid in below:
+        try:
+            os.kill(pid, signal.SIGSTOP)  # no rank may start another process while we kill
+        except ProcessLookupError:
+            pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    for pid in below:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     proc.wait(30)
 
 
 def tail(out: str | None, err: str | None = None, n: int = 3000) -> str:
     """The ends of a process's output, for assertion messages."""
     return (out or "")[-n:] + ("\n--- stderr ---\n" + err[-n:] if err else "")
+
+
+#: another CPU's numerics on this one: XLA:CPU's code generation, torch's own CPU kernels, oneDNN and
+#: MKL all capped to SSE4.2 (below AVX2, which every x86-64 CPU of the last decade has). A verdict of
+#: the suite must not change with it (tests/test_numerics.py; README "Numerics").
+CAPPED_ISA = {
+    "XLA_FLAGS": "--xla_cpu_max_isa=SSE4_2",
+    "ATEN_CPU_CAPABILITY": "default",
+    "ONEDNN_MAX_CPU_ISA": "SSE41",
+    "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+}

@@ -348,7 +348,7 @@ def test_hsdp_shape_that_does_not_factor_the_world_is_refused(sizes, key, fragme
 
 
 def test_a_backend_without_hsdp_refuses_its_keys():
-    # XLA takes the keys now (SPMD only: tests/test_xla.py), so a test backend that never declared them
+    # XLA takes the keys now (SPMD only: tests/test_xla_settings.py), so a test backend that never declared them
     with pytest.raises(shardcore.UnsupportedKeyError, match="dp_replicate_size") as e:
         shardcore.shard(torch.nn.Linear(2, 2), {"dp_replicate_size": 2}, backend="backends_for_tests:PlainBackend")
     assert e.value.key == "dp_replicate_size" and "'plain' backend" in str(e.value)

@@ -11,8 +11,10 @@ from torch import nn
 
 import shardcore
 from shardcore import BackendUnavailableError, CheckpointError, ShardConfigError
+from shardcore.backend import for_config
 from shardcore.capabilities import (
     CAPABILITIES,
+    ConfigResolved,
     ConfigValidation,
     GradClipping,
     ShardedCheckpoints,
@@ -44,11 +46,20 @@ def _with_xla():
     return XLA
 
 
+def _implementations(backend):
+    """A backend, or for a name resolved by the config (only XLA's: by xla_fsdp_v2) each implementation."""
+    if not isinstance(backend, ConfigResolved):
+        return [backend]
+    return [for_config(backend, shardcore.parse_config({"xla": True, "xla_fsdp_v2": v2})) for v2 in (False, True)]
+
+
 @pytest.mark.parametrize("name", IN_TREE + _with_xla())
 def test_every_in_tree_backend_is_an_instance_of_exactly_what_it_declares(name):
     backend = shardcore.get_backend(name)
-    assert isinstance(backend, shardcore.Backend)
     assert [c for c in CAPABILITIES if isinstance(backend, c)] == declared(backend)
+    for impl in _implementations(backend):
+        assert isinstance(impl, shardcore.Backend)
+        assert [c for c in CAPABILITIES if isinstance(impl, c)] == declared(impl)
 
 
 def test_declared_capabilities_of_the_shipped_backends():
@@ -63,21 +74,28 @@ def test_declared_capabilities_of_the_shipped_backends():
     }
     assert names("backends_for_tests:PlainBackend") == set()
     if _with_xla():
-        assert names("xla") == {
-            "ShardedCheckpoints",
-            "StepEnd",
-            "GradClipping",
-            "GradSyncControl",
-            "Launcher",
-            "DeviceLaunch",
-            "ConfigValidation",
-            "ModelValidation",
-            "CompileCounter",
-            "RenamesParameters",
-            "SlicedLoading",
-        }
+        assert names("xla") == {"ConfigResolved", "ConfigValidation", "Launcher", "DeviceLaunch"}
+        fsdp, spmd = _implementations(shardcore.get_backend("xla"))
+        assert type(fsdp).__name__ == "XlaFsdpBackend" and type(spmd).__name__ == "SpmdBackend"
+        assert (
+            {c.__name__ for c in declared(fsdp)}
+            == {c.__name__ for c in declared(spmd)}
+            == {
+                "ShardedCheckpoints",
+                "StepEnd",
+                "GradClipping",
+                "GradSyncControl",
+                "Launcher",
+                "DeviceLaunch",
+                "ConfigValidation",
+                "ModelValidation",
+                "CompileCounter",
+                "RenamesParameters",
+                "SlicedLoading",
+            }
+        )
         # XLA reads FULL checkpoints in slices but shards only models with weights
-        assert not shardcore.get_backend("xla").shards_without_weights(shardcore.parse_config({"xla": True}))
+        assert not fsdp.shards_without_weights(shardcore.parse_config({"xla": True}))
     assert shardcore.get_backend("fsdp2").shards_without_weights(shardcore.parse_config({}))
 
 
@@ -124,6 +142,36 @@ def test_a_backend_that_breaks_the_contract_is_refused_when_loaded(cls, words):
             assert w in str(e.value)
     with pytest.raises(BackendUnavailableError):
         shardcore.shard(nn.Linear(2, 2), {}, backend=cls())
+
+
+class _Resolver(ConfigResolved):
+    """A name whose implementation depends on the config: PlainBackend, or (wrongly) itself for SIZE_BASED_WRAP."""
+
+    name = "resolver"
+    install_hint = "-"
+    supported_keys = frozenset({"auto_wrap_policy"})
+
+    def is_available(self):
+        return True, ""
+
+    def resolve(self, config):
+        return self if config.auto_wrap_policy == "SIZE_BASED_WRAP" else PlainBackend()
+
+
+class _ResolverThatSteps(_Resolver, StepEnd):
+    def step_end(self):
+        raise AssertionError("never called")
+
+
+def test_a_name_resolved_by_the_config_shards_with_the_implementation_it_resolves_to():
+    model = shardcore.shard(nn.Linear(2, 2), {"auto_wrap_policy": "NO_WRAP"}, backend=_Resolver())
+    assert type(shardcore.handle(model).backend) is PlainBackend
+    with pytest.raises(BackendUnavailableError, match="must return an implementation"):
+        shardcore.shard(
+            nn.Linear(2, 2), {"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 1}, backend=_Resolver()
+        )
+    with pytest.raises(BackendUnavailableError, match="declares ConfigResolved and StepEnd"):
+        shardcore.get_backend(_ResolverThatSteps())
 
 
 class _Refuses(PlainBackend, ConfigValidation):

@@ -25,6 +25,8 @@ def test_fsdp2_is_registered_by_entry_point():
     assert "fsdp2" in {ep.name for ep in entry_points(group="shardcore.backends")}
 
 
+# a fresh interpreter is the honest check: this process has imported every backend already
+@pytest.mark.multiprocess
 def test_core_never_imports_backends_by_name():
     out = harness.python(harness.worker("core_imports"), timeout=120)
     assert out.returncode == 0, harness.tail(out.stdout, out.stderr)

@@ -357,9 +357,13 @@ def _shards_without_weights(backend: Any) -> bool:
 
 
 def _instance(backend: Any) -> Any:
+    """The implementation whose capabilities the matrix asks about: for a name resolved by the config
+    (ConfigResolved), the one its default config picks (its implementations declare the same)."""
     import shardcore
+    from shardcore.backend import for_config
 
-    return shardcore.get_backend(backend) if isinstance(backend, str) else backend
+    found = shardcore.get_backend(backend) if isinstance(backend, str) else backend
+    return for_config(found, shardcore.parse_config({}))
 
 
 #: small enough that every clipping case clips at every step (the models' gradient norms are larger)

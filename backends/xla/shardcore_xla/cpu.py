@@ -19,7 +19,7 @@ below can be left out (each piece was removed in turn; the run then aborted at a
   collector happens to run. When it ran on one device's garbage and not yet on another's (any
   allocation may trigger it, on any thread), the two graphs differed by an output, the second
   device compiled a module of its own and the run aborted at a rendezvous, now and then (repro:
-  ``tests/test_xla.py::test_cyclic_garbage_does_not_split_the_step_graph``). A full collection of a
+  ``tests/test_xla_runtime.py::test_cyclic_garbage_does_not_split_the_step_graph``). A full collection of a
   process that imported Transformers scans ~490k objects (~200 ms), so the first step end freezes
   what is alive then (``gc.freeze()``: the model, the optimizer, the imported modules; reference
   counting still frees them) and every later collection scans only what training created (~0.1 ms).

@@ -10,7 +10,6 @@ import os
 from typing import Callable
 
 from shardcore.capabilities import LaunchSpec
-from shardcore.config import ShardConfig
 from shardcore.errors import DistributedSetupError
 
 from . import cpu
@@ -18,15 +17,20 @@ from . import cpu
 log = logging.getLogger(__name__)
 
 
-def launch_spec(config: ShardConfig, world_size: int) -> LaunchSpec:
-    env = {}
+def _device_env(world_size: int) -> dict[str, str]:
     device = os.environ.get("PJRT_DEVICE", "CPU" if not has_tpu() else "TPU")
-    env["PJRT_DEVICE"] = device
-    if device == "CPU":
-        env["CPU_NUM_DEVICES"] = str(world_size)
-    if config.xla_fsdp_v2:
-        return LaunchSpec(processes=1, env=env, group="spmd")
-    if device == "CPU" and world_size > 1:
+    return {"PJRT_DEVICE": device, **({"CPU_NUM_DEVICES": str(world_size)} if device == "CPU" else {})}
+
+
+def spmd_launch_spec(world_size: int) -> LaunchSpec:
+    """One process drives every device."""
+    return LaunchSpec(processes=1, env=_device_env(world_size), group="spmd")
+
+
+def fsdp_launch_spec(world_size: int) -> LaunchSpec:
+    """One process whose devices ``run_on_devices`` serves, with the CPU recipe on several CPU devices."""
+    env = _device_env(world_size)
+    if env["PJRT_DEVICE"] == "CPU" and world_size > 1:
         env.update(cpu.recipe_env(world_size))
     return LaunchSpec(processes=1, env=env, group="fsdp", per_device=world_size > 1)
 

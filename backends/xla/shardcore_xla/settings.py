@@ -37,19 +37,31 @@ def fsdp_parameters() -> dict[str, inspect.Parameter]:
     return {n: p for n, p in params.items() if n not in ("self", "module") and not n.startswith("_")}
 
 
-def check_config(config: ShardConfig, spmd_mode: bool | None) -> None:
-    """The backend's checks of the config alone; ``spmd_mode`` is this process's mode once a model
-    was validated or sharded (None before)."""
-    if spmd_mode is not None and spmd_mode != config.xla_fsdp_v2:
+#: the ``xla_fsdp_v2`` of the models this process has validated or sharded (None before): SPMD
+#: (``xr.use_spmd()``) is global to a process, so a process serves one mode, whichever backend object asks
+_process_mode: bool | None = None
+
+
+def claim_mode(xla_fsdp_v2: bool) -> None:
+    """Record that this process now runs the mode of ``xla_fsdp_v2`` (from validate_model / apply)."""
+    global _process_mode
+    _process_mode = xla_fsdp_v2
+
+
+def check_mode(config: ShardConfig, serves: bool) -> None:
+    """``config`` against the implementation serving ``xla_fsdp_v2: serves`` and this process's mode."""
+    if config.xla_fsdp_v2 != serves:
         raise ShardConfigError(
             "xla_fsdp_v2",
-            f"is {config.xla_fsdp_v2} but this process already sharded a model with xla_fsdp_v2={spmd_mode}; SPMD "
-            "mode is global to a process. Use one mode per process.",
+            f"is {config.xla_fsdp_v2}, but this backend object is the XLA implementation for xla_fsdp_v2={serves}. "
+            f"Pass backend='xla', which picks the implementation from the config, or set xla_fsdp_v2: {serves}.",
         )
-    if config.xla_fsdp_v2:
-        check_spmd_settings(config)
-    else:
-        check_fsdp_settings(config)
+    if _process_mode is not None and _process_mode != config.xla_fsdp_v2:
+        raise ShardConfigError(
+            "xla_fsdp_v2",
+            f"is {config.xla_fsdp_v2} but this process already sharded a model with xla_fsdp_v2={_process_mode}; "
+            "SPMD mode is global to a process. Use one mode per process.",
+        )
 
 
 def check_fsdp_settings(config: ShardConfig) -> None:

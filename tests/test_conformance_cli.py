@@ -1,0 +1,257 @@
+"""``shardcore-conformance`` end to end, each run in new processes: the report files, broken
+backends caught, HSDP on four ranks, known gaps (xfails), case timeouts, an out-of-tree backend
+package installed and run by its entry-point name, and the suite on CUDA. The runs use a few cases;
+the full FSDP2 matrix runs once, in tests/test_fsdp2_multiprocess.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardcore_conformance import TOLERANCES, fsdp2_matrix
+
+import harness
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+CLI = str(BIN / "shardcore-conformance")
+
+
+# ------------------------------------------------------------------------------ the CLI, for real
+
+
+def _run(args, env_extra=None, timeout=420):
+    env = harness.clean_env()
+    extra = dict(env_extra or {})
+    # a vendor site directory first where given (clean_env puts tests/ on the path for the fixtures)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (extra.pop("PYTHONPATH", ""), env["PYTHONPATH"]) if p)
+    env.update(extra)
+    return harness.run([CLI, *args], env=env, timeout=timeout)
+
+
+@pytest.mark.multiprocess
+def test_cli_runs_cases_and_writes_the_report(tmp_path):
+    pattern = "mlp-transformer-reshard1-ac0,gpt2-transformer-reshard0-ac1,frozen-mlp,buffers-mlp,uneven-mlp,grad_accum-mlp,lr_schedule-mlp,mlp-mp-bf16"
+    out = _run(
+        [
+            "--backend",
+            "fsdp2",
+            "--world-size",
+            "2",
+            "--cases",
+            pattern,
+            "--report",
+            str(tmp_path),
+            "--case-timeout",
+            "180",
+        ]
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "PASS: 8/8 cases passed" in out.stdout
+    assert "[16/16" in out.stderr and "fsdp2 buffers-mlp PASS" in out.stderr  # progress and verdicts
+
+    doc = json.loads((tmp_path / "report.json").read_text())
+    assert doc["ok"] and doc["backend"] == "fsdp2" and doc["world_size"] == 2 and doc["passed"] == 8
+    assert doc["tolerances"]["fp32"]["param_atol"] == TOLERANCES["fp32"].param_atol
+    rows = {r["case"]: r for r in doc["cases"]}
+    assert set(rows) == set(pattern.split(","))
+    for name, r in rows.items():
+        tol = TOLERANCES[r["dtype"]]
+        assert r["ok"] and len(r["sharded_losses"]) == len(r["reference_losses"]) == 5, name
+        assert 0 <= r["max_param_diff"] <= tol.param_atol and 0 <= r["max_output_diff"] <= tol.output_atol, name
+        assert r["checkpoint_param_diff"] == 0.0 and r["checkpoint_method"], name
+        assert r["sharded_losses"][0] != r["sharded_losses"][-1], name  # it trained
+    assert rows["frozen-mlp"]["frozen_params"] == [
+        "blocks.0.fc.weight",
+        "blocks.0.fc.bias",
+        "blocks.0.norm.weight",
+        "blocks.0.norm.bias",
+        "head.bias",
+    ]
+    lrs = rows["lr_schedule-mlp"]["lrs"]
+    assert lrs[0] < lrs[1] and lrs[-1] < lrs[2]  # warm-up, then decay
+    assert doc["families"]["frozen"]["passed"] == 1
+
+    md = (tmp_path / "report.md").read_text()
+    assert "**PASS**: 8/8" in md and "| frozen-mlp | fp32 | pass |" in md and "| bf16 |" in md
+    pngs = sorted((tmp_path / "plots").glob("*.png"))
+    assert {p.name for p in pngs} >= {"loss-mlp.png", "loss-frozen.png", "loss-mixed_precision.png"}
+    assert sorted(doc["plots"]) == [str(p.relative_to(tmp_path)) for p in pngs]
+    for p in pngs:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+        assert f"]({p.relative_to(tmp_path).as_posix()})" in md
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "backend, case, expected",
+    [
+        ("broken_backends:SumGradsBackend", "grad_accum-mlp", "gradient norm differs at step 0"),
+        ("broken_backends:WrongSliceBackend", "grad_accum-mlp", "loss differs at step 0"),
+        ("broken_backends:LocalNormClippingBackend", "clip-llama", "clipping norm differs at step 0"),
+        # 2 replicas of 1 shard: each replica's rank trains on its own rows; without the all-reduce they drift
+        ("broken_backends:SkipsReplicaAllReduceBackend", "hsdp2x1-mlp", "loss differs at step 1"),
+        # every rank built without weights reads rank 0's rows: the model starts from wrong weights
+        ("broken_backends:SlicesFromRowZeroBackend", "llama-empty_weights", "loss differs at step 0"),
+    ],
+)
+def test_cli_catches_broken_backends(tmp_path, backend, case, expected):
+    out = _run(["--backend", backend, "--cases", case, "--report", str(tmp_path), "--no-plots"])
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    (line,) = [x for x in out.stdout.splitlines() if x.startswith(f"FAIL {case}: ")]
+    assert expected in line, line
+    if "SumGrads" in backend:
+        assert "are gradients averaged across ranks?" in line
+    assert "FAIL: 0/1 cases passed" in out.stdout
+    doc = json.loads((tmp_path / "report.json").read_text())
+    assert not doc["ok"] and any(expected in r for r in doc["cases"][0]["reasons"])
+    assert "## Failures" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.multiprocess
+def test_hsdp_on_four_ranks_matches_and_a_missing_replica_all_reduce_is_caught(tmp_path):
+    """HSDP 2 replicas x 2 shards on 4 gloo ranks: every hsdp case (MLP, Llama, GPT-2, reshard off,
+    accumulation, clipping, SHARDED checkpoint, 4 x 1 replication) matches the single-device run;
+    the same 2x2 cases fail on a backend that skips the replica all-reduce."""
+    out = _run(
+        ["--backend", "fsdp2", "--world-size", "4", "--cases", "hsdp*", "--report", str(tmp_path / "ok"), "--no-plots"]
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    doc = json.loads((tmp_path / "ok" / "report.json").read_text())
+    names = {c["case"] for c in doc["cases"]}
+    assert {"hsdp2x2-llama", "hsdp2x2-grad_accum-llama", "hsdp2x2-clip-llama", "hsdp4x1-llama"} <= names, names
+    assert "hsdp2x2-llama-sharded_state_dict" in names and doc["ok"]
+    bad = _run(
+        ["--backend", "broken_backends:SkipsReplicaAllReduceBackend", "--world-size", "4"]
+        + ["--cases", "hsdp2x2-mlp,hsdp2x2-llama", "--report", str(tmp_path / "bad"), "--no-plots"]
+    )
+    assert bad.returncode == 1 and "FAIL: 0/2 cases passed" in bad.stdout, bad.stdout[-3000:] + bad.stderr[-3000:]
+
+
+@pytest.mark.multiprocess
+def test_xfails_report_known_gaps_apart_and_only_unexpected_failures_fail(tmp_path):
+    """A vendor's --xfails file: the broken backend's failing clipping case is an expected failure (exit 0,
+    listed apart), a passing case it names is an unexpected pass, an entry matching nothing warns;
+    a failing case it does not name still fails the run."""
+    xf = tmp_path / "xfails.txt"
+    xf.write_text("# known gaps\nclip-*  local norm VENDOR-1\nuneven-mlp  stale entry\nnothing-*  matches no case\n")
+    cases = "clip-llama,uneven-mlp"
+    backend = "broken_backends:LocalNormClippingBackend"
+    out = _run(
+        ["--backend", backend, "--cases", cases, "--xfails", str(xf), "--report", str(tmp_path / "r"), "--no-plots"]
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (line,) = [x for x in out.stdout.splitlines() if x.startswith("XFAIL clip-llama (expected: local norm VENDOR-1): ")]
+    assert "clipping norm differs at step 0" in line, line
+    assert "XPASS uneven-mlp" in out.stdout and "PASS: 1/2 cases passed, 1 expected failures" in out.stdout
+    assert "line 4: 'nothing-*' matches no case of this run" in out.stderr
+    doc = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert doc["ok"] and doc["failed"] == 0
+    assert [x["case"] for x in doc["expected_failures"]] == ["clip-llama"]
+    assert [x["case"] for x in doc["unexpected_passes"]] == ["uneven-mlp"]
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert "## Expected failures" in md and "| clip-llama | fp32 | expected fail |" in md
+
+    xf.write_text("uneven-mlp  a gap elsewhere\n")
+    out = _run(
+        ["--backend", backend, "--cases", cases, "--xfails", str(xf), "--report", str(tmp_path / "r2"), "--no-plots"]
+    )
+    assert out.returncode == 1, out.stdout[-3000:]
+    (line,) = [x for x in out.stdout.splitlines() if x.startswith("FAIL clip-llama: ")]
+    assert "clipping norm differs at step 0" in line, line
+
+
+@pytest.mark.multiprocess
+def test_cli_case_timeout_kills_and_fails(tmp_path):
+    out = _run(
+        [
+            "--backend",
+            "fsdp2",
+            "--cases",
+            "mlp-transformer-reshard1-ac0",
+            "--case-timeout",
+            "0.5",
+            "--report",
+            str(tmp_path),
+            "--no-plots",
+        ],
+        timeout=120,
+    )
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "did not finish within 0.5s (timeout)" in out.stdout
+
+
+@pytest.fixture(scope="module")
+def vendor_site(tmp_path_factory):
+    """examples/vendor_backend pip-installed into a temporary directory (put on PYTHONPATH), so its
+    entry point is found without touching the shared environment. From a copy, so that the build
+    leaves nothing in the source tree."""
+    tmp = tmp_path_factory.mktemp("vendor")
+    src, site = tmp / "src", tmp / "site"
+    shutil.copytree(
+        ROOT / "examples" / "vendor_backend", src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__")
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", "--target", str(site), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert (site / "shardcore_replicate_example").is_dir()
+    return site
+
+
+@pytest.mark.multiprocess
+def test_vendor_backend_is_found_by_name_and_passes(vendor_site, tmp_path):
+    env = {"PYTHONPATH": str(vendor_site)}
+    listed = _run(["--backend", "replicate-example", "--list"], env_extra=env, timeout=120)
+    assert listed.returncode == 0, listed.stderr[-3000:]
+    names = [line.split()[0] for line in listed.stdout.splitlines()]
+    # it declares only `timeout`: no wrap/reshard/offload/precision dimensions
+    assert len(names) < len(fsdp2_matrix()) and "mlp-transformer" in names and "mlp-timeout" in names
+    assert "clip-llama" in names  # it declares clipping
+    assert not any("nowrap" in n or "cpu_offload" in n or "bf16" in n for n in names)
+    bf16 = _run(["--backend", "replicate-example", "--dtype", "bf16", "--list"], env_extra=env, timeout=120)
+    assert bf16.returncode == 2 and "no way to compute in bf16" in bf16.stderr
+
+    out = _run(
+        [
+            "--backend",
+            "replicate-example",
+            "--world-size",
+            "2",
+            "--cases",
+            "gpt2-transformer,frozen-llama,buffers-mlp,grad_accum-mlp,clip-llama",
+            "--report",
+            str(tmp_path),
+            "--no-plots",
+        ],
+        env_extra=env,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "PASS: 5/5 cases passed" in out.stdout
+    doc = json.loads((tmp_path / "report.json").read_text())
+    assert doc["supported_keys"] == ["timeout"]
+    assert all(r["checkpoint_param_diff"] == 0.0 for r in doc["cases"])
+
+
+@pytest.mark.cuda
+@pytest.mark.multiprocess
+def test_fsdp2_conformance_on_cuda_in_bf16(tmp_path):
+    """The suite on a CUDA device (NCCL) at world size 1, every case in bf16: what `run` on a GPU
+    machine checks."""
+    out = _run(
+        ["--backend", "fsdp2", "--device-type", "cuda", "--world-size", "1", "--dtype", "bf16", "--no-plots", "-q"]
+        + ["--report", str(tmp_path)],
+        timeout=1800,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert json.loads((tmp_path / "report.json").read_text())["ok"]

@@ -75,16 +75,11 @@ def run_suite(
     device_type: str | None = None,
     plots: bool = True,
     expected_failures: dict[str, str] | None = None,
-    reference_from: SuiteResult | None = None,
 ) -> SuiteResult:
     """Run every case on the single-device reference and on ``backend`` with ``world_size`` ranks,
     compare them, and (with ``report_dir``) write report.json, report.md and the loss plots there.
     ``expected_failures`` (case -> reason, see :mod:`.xfails`) are reported apart and do not make
-    the result fail. Progress (case k of n, elapsed seconds, verdicts) is logged at INFO.
-
-    ``reference_from``: an earlier result whose reference runs are reused for every case defined
-    exactly alike there (same fields, so the same global batch), instead of training them again;
-    the caller makes sure it ran on the same device type and environment."""
+    the result fail. Progress (case k of n, elapsed seconds, verdicts) is logged at INFO."""
     t0 = time.time()
     n = len(cases)
     reference: dict[str, dict[str, Any]] = {}
@@ -106,18 +101,15 @@ def run_suite(
         if "error" in result:
             log.info("reference %s ERROR: %s", case.name, result["error"].splitlines()[0])
 
-    reference.update(_reusable_references(cases, reference_from))
-    todo = [c for c in cases if c.name not in reference]
     with tempfile.TemporaryDirectory(prefix="shardcore-conformance-") as scratch:
         progress = Path(scratch) / "progress.jsonl"
         progress.touch()
         run_env = {**device_env(device_type), **(env or {}), SCRATCH_ENV: scratch, PROGRESS_ENV: str(progress)}
         stop = threading.Event()
-        follower = threading.Thread(target=_follow, args=(progress, n + len(todo), t0, stop), daemon=True)
+        follower = threading.Thread(target=_follow, args=(progress, 2 * n, t0, stop), daemon=True)
         follower.start()
         try:
-            if todo:
-                reference.update(run_cases(todo, None, 1, case_timeout, run_env, reference_done))
+            reference.update(run_cases(cases, None, 1, case_timeout, run_env, reference_done))
             sharded = run_cases(cases, backend, world_size, case_timeout, run_env, verdict)
         finally:
             stop.set()
@@ -140,20 +132,6 @@ def run_suite(
 
         write_report(result, cases, Path(report_dir), plots=plots)
     return result
-
-
-def _reusable_references(cases: list[Case], earlier: SuiteResult | None) -> dict[str, dict[str, Any]]:
-    """The references of ``earlier`` for the cases of ``cases`` it defined identically."""
-    if earlier is None:
-        return {}
-    same = {c.name: c for c in earlier.cases}
-    out = {}
-    for c in cases:
-        prior = same.get(c.name)
-        r = earlier.reference.get(c.name)
-        if prior is not None and prior.to_dict() == c.to_dict() and r is not None and "error" not in r:
-            out[c.name] = r
-    return out
 
 
 def _follow(progress: Path, total: int, t0: float, stop: threading.Event) -> None:

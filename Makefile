@@ -7,7 +7,7 @@ PYTHON ?= python3
 STAMP  := $(VENV)/.shardcore-installed
 DEPS   := requirements.txt pyproject.toml backends/fsdp2/pyproject.toml backends/xla/pyproject.toml conformance/pyproject.toml
 
-.PHONY: setup demo lint format test test-fast conformance conformance-xla clean
+.PHONY: setup demo lint format test test-fast fuzz conformance conformance-xla clean
 
 setup: $(STAMP)
 
@@ -45,6 +45,12 @@ test: lint
 test-fast: setup
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -rs -m "not multiprocess" tests
+
+# The checkpoint fuzz campaign at length (CI runs a bounded, seeded one): FUZZ_EXAMPLES mutated
+# checkpoints per family, in-process and on FSDP2 ranks and XLA devices.
+FUZZ_EXAMPLES ?= 1000
+fuzz: setup
+	SHARDCORE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -rs -s tests/test_checkpoint_fuzz.py tests/test_checkpoint_fuzz_ranks.py
 
 conformance: setup
 	$(VENV)/bin/shardcore-conformance --backend fsdp2 --world-size 2 --report conformance-report

@@ -11,6 +11,7 @@ of, and non-tensor entries with ``torch.load(weights_only=True)``. Anything else
 from __future__ import annotations
 
 import io
+import os
 import pickle
 from typing import Any
 
@@ -59,6 +60,53 @@ def load_metadata(stream: Any, where: str) -> Any:
         ) from None
 
 
+def check_metadata(metadata: Any, where: str) -> None:
+    """The unpickled metadata has DCP's shape: the allow-list decides which classes may be built, not
+    what they hold, and DCP indexes into it without checking (a damaged file would fail deep inside a
+    load with an ``AttributeError`` or ``KeyError``)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorStorageMetadata,
+    )
+
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(
+            f"shardcore.load: {where!r} is not torch.distributed.checkpoint metadata: {why}. The checkpoint is "
+            "damaged; save it again."
+        )
+
+    def sizes(value: Any) -> bool:
+        return isinstance(value, (tuple, list, torch.Size)) and all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+        )
+
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise bad(f"it holds a {type(metadata).__name__}")
+    for key, md in metadata.state_dict_metadata.items():
+        if not isinstance(key, str) or not isinstance(md, (TensorStorageMetadata, BytesStorageMetadata)):
+            raise bad(f"entry {key!r} is a {type(md).__name__}")
+        if isinstance(md, TensorStorageMetadata):
+            if not sizes(md.size) or not isinstance(md.chunks, list):
+                raise bad(f"entry {key!r} has the size {md.size!r}")
+            for chunk in md.chunks:
+                if not (sizes(getattr(chunk, "offsets", None)) and sizes(getattr(chunk, "sizes", None))) or not (
+                    len(chunk.offsets) == len(chunk.sizes) == len(md.size)
+                    and all(o + n <= d for o, n, d in zip(chunk.offsets, chunk.sizes, md.size))
+                ):
+                    raise bad(f"entry {key!r} has a chunk outside its size {tuple(md.size)}")
+    storage = metadata.storage_data
+    if not isinstance(storage, dict):
+        raise bad(f"its storage_data is a {type(storage).__name__}")
+    for index, info in storage.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
+            raise bad(f"a storage_data entry is a {type(info).__name__}")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (info.offset, info.length)):
+            raise bad(f"storage item {index.fqn!r} has offset {info.offset!r} and length {info.length!r}")
+
+
 def _reader_class() -> type:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
@@ -67,9 +115,15 @@ def _reader_class() -> type:
         """``FileSystemReader`` whose ``read_metadata`` unpickles with the allow-list."""
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            from .checkpoint.confine import inside
+
             path = self._get_metadata_path(kwargs.get("rank", None))
+            inside(self.path, os.path.basename(path), "the DCP metadata")
             with self.fs.create_stream(path, "rb") as f:
                 metadata = load_metadata(f, str(path))
+            check_metadata(metadata, str(path))
+            for info in (metadata.storage_data or {}).values():
+                inside(self.path, getattr(info, "relative_path", None), "the DCP metadata's storage_data")
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -107,10 +161,18 @@ def load(state: dict[str, Any], path: str, load_planner: Any = None) -> None:
     try:
         dcp.load(state, storage_reader=reader(path), planner=load_planner if load_planner is not None else planner())
     except CheckpointException as e:
+        # DCP's own error is a BaseException (an ``except Exception`` in a training loop misses it)
+        # that every rank raises with every rank's failure; ours, where a rank raised one, says most
         ours = next((exc for exc, _ in e.failures.values() if isinstance(exc, CheckpointError)), None)
         if ours is not None:
             raise ours from None
-        raise
+        failures = "; ".join(
+            f"rank {r}: {type(exc).__name__}: {exc}"[:300] for r, (exc, _) in sorted(e.failures.items())
+        )
+        raise CheckpointError(
+            f"shardcore.load: reading the torch.distributed.checkpoint files in {path!r} failed ({failures}). "
+            "The checkpoint is damaged, or is not one for this model; save it again."
+        ) from None
 
 
 def planner() -> Any:

@@ -35,7 +35,7 @@ from torch import nn
 
 from ..capabilities import SlicedLoading
 from ..empty import awaiting_weights, weights_arrived
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ShardcoreError
 from . import atomic, full, keys, manifest
 from .full import OPTIMIZER_META, OPTIMIZER_TENSORS, WEIGHTS, WEIGHTS_INDEX
 from .keys import DCP_METADATA, SHARD_INDEX, tied_names
@@ -156,12 +156,45 @@ def load(
     src = atomic.resolve_checkpoint(path)
     meta = manifest.read_manifest(src)
     kind = meta.get("state_dict_type") or _detect_kind(src)
-    if kind == SHARDED:
-        _load_sharded(runtime, cfg, model, optimizer, path, src, meta)
-    else:
-        _load_full(runtime, model, optimizer, src)
+    writing = _Writing()
+    try:
+        if kind == SHARDED:
+            _load_sharded(runtime, cfg, model, optimizer, path, src, meta, writing)
+        else:
+            _load_full(runtime, model, optimizer, src, writing)
+    except Exception as e:
+        raise _load_error(e, src, writing.started) from e
     log.info("shardcore: loaded %s checkpoint from %s", kind, src)
     return meta
+
+
+class _Writing:
+    """Whether a load has begun to write into the model: an error before that leaves the model as
+    it was, one after says that it may not be."""
+
+    started = False
+
+
+#: appended to an error raised once the model's tensors were being written
+PARTLY_LOADED = (
+    "The model (and optimizer) may hold part of this checkpoint now: load a good checkpoint into it before training on."
+)
+
+
+def _load_error(e: Exception, src: Path, started: bool) -> Exception:
+    """A load's error as a :class:`CheckpointError` (on every rank, as each rank raises its own or
+    learns of rank 0's), saying whether the model was touched."""
+    if isinstance(e, ShardcoreError) and not isinstance(e, CheckpointError):
+        return e
+    message = (
+        str(e)
+        if isinstance(e, CheckpointError)
+        else f"shardcore.load: reading {str(src)!r} failed ({type(e).__name__}: {e}). The checkpoint may be damaged, "
+        "or not be one for this model."
+    )
+    if started and PARTLY_LOADED not in message:
+        message = f"{message} {PARTLY_LOADED}"
+    return e if message == str(e) else CheckpointError(message)
 
 
 def _detect_kind(src: Path) -> str:
@@ -170,7 +203,14 @@ def _detect_kind(src: Path) -> str:
 
 
 def _load_sharded(
-    runtime: Any, cfg: Any, model: nn.Module, optimizer: Any, path: Any, src: Path, meta: dict[str, Any]
+    runtime: Any,
+    cfg: Any,
+    model: nn.Module,
+    optimizer: Any,
+    path: Any,
+    src: Path,
+    meta: dict[str, Any],
+    writing: _Writing,
 ) -> None:
     if cfg is None:
         raise CheckpointError(
@@ -182,23 +222,26 @@ def _load_sharded(
         )
     sharded_checkpoints(runtime, "load", path)
     keys.check_sharded(model, src, optimizer)
+    writing.started = True  # DCP copies each tensor in as it reads it
     runtime.load_sharded_state_dict(model, optimizer, str(src))
     weights_arrived(model)
 
 
-def _load_full(runtime: Any, model: nn.Module, optimizer: Any, src: Path) -> None:
+def _load_full(runtime: Any, model: nn.Module, optimizer: Any, src: Path, writing: _Writing) -> None:
     """Every rank checks the file headers. A backend with SlicedLoading has every rank read only its
-    own slices; otherwise only rank 0 reads tensors, and the backend spreads them."""
+    own slices; otherwise only rank 0 reads tensors (every rank learns if that failed), and the
+    backend spreads them."""
     files = full.weight_files(src)
     keys.check_keys(keys.expected_shapes(model), full.file_shapes(files), tied_names(model), str(src))
     opt_files = full.optimizer_files(src, optimizer)
-    rank0 = runtime.world().rank == 0
     sliced = isinstance(runtime, SlicedLoading)
     if sliced:
         reader = full.SliceReader(files, tied_names(model))
+        writing.started = True
         _every_rank_reads(runtime, lambda: runtime.load_full_slices(model, reader.fill))
     else:
-        state = full.read_weights(files, tied_names(model)) if rank0 else {}
+        state = on_rank0(runtime, lambda: full.read_weights(files, tied_names(model)), share=False) or {}
+        writing.started = True
         runtime.load_full_state_dict(model, state)
         del state  # rank 0 drops its copy of the weights before it reads the optimizer state
     weights_arrived(model)
@@ -210,7 +253,7 @@ def _load_full(runtime: Any, model: nn.Module, optimizer: Any, src: Path) -> Non
         part = _every_rank_reads(runtime, lambda: runtime.read_optimizer_slices(model, refs, reader.fill))
         runtime.load_optimizer_slices(model, optimizer, part)
     else:
-        osd = full.read_optimizer(*opt_files) if rank0 else {}
+        osd = on_rank0(runtime, lambda: full.read_optimizer(*opt_files), share=False) or {}
         runtime.load_full_optimizer_state_dict(model, optimizer, osd)
 
 

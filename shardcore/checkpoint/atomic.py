@@ -28,8 +28,13 @@ _OLD_TAG = ".shardcore-old"
 
 def prepare_destination(final: Path) -> Path:
     """Check that ``final`` may be written, and make the temporary sibling the save goes into."""
-    if final.exists() or final.is_symlink():
-        if final.is_dir() and not final.is_symlink():
+    if final.is_symlink():
+        raise CheckpointError(
+            f"shardcore.save: {str(final)!r} is a symlink (to {os.readlink(final)!r}); a save replaces its "
+            "directory as a whole and never writes through a link. Pass the directory it points to, or a new path."
+        )
+    if final.exists():
+        if final.is_dir():
             if not is_checkpoint(final) and any(final.iterdir()):
                 raise CheckpointError(
                     f"shardcore.save: {str(final)!r} is a directory that is not a shardcore checkpoint (no "
@@ -65,7 +70,7 @@ def commit(tmp: Path, final: Path) -> None:
     umask = os.umask(0)
     os.umask(umask)
     for f in tmp.rglob("*"):
-        if f.is_file():
+        if f.is_file() and not f.is_symlink():  # chmod follows a symlink; the save owns only its own files
             f.chmod(0o666 & ~umask)  # safetensors writes 0600 files; a checkpoint is meant to be shared
             _fsync(f)
     _fsync(tmp)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
+from .confine import inside
 from .keys import DCP_METADATA, tied_names
 from .manifest import MANIFEST
 
@@ -115,14 +116,15 @@ def weight_files(src: Path) -> list[Path]:
             "written by shardcore.save() or save_pretrained(), or a .safetensors file."
         )
     if (src / WEIGHTS).is_file():
-        return [src / WEIGHTS]
+        return [inside(src, WEIGHTS, "the weights file")]
     index = src / WEIGHTS_INDEX
     if index.is_file():
         try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"shardcore.load: {str(index)!r} is not a safetensors index ({e}).") from None
-        files = [src / n for n in names]
+            weight_map = json.loads(inside(src, WEIGHTS_INDEX, "the index file").read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"shardcore.load: {str(index)!r} is not a safetensors index ({e!r}).") from None
+        files = [inside(src, n, f"{WEIGHTS_INDEX}'s weight_map") for n in names]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
             raise CheckpointError(f"shardcore.load: {str(index)!r} names shards that are missing: {missing[:3]}.")
@@ -186,11 +188,21 @@ def file_shapes(files: Iterable[Path]) -> dict[str, tuple[int, ...]]:
     return {k: ref.shape for k, ref in file_tensors(files).items()}
 
 
+def _damaged(f: Path, e: BaseException) -> CheckpointError:
+    return CheckpointError(
+        f"shardcore.load: {str(f)!r} is damaged ({type(e).__name__}: {e}). Nothing was loaded from it; save the "
+        "checkpoint again."
+    )
+
+
 def read_weights(files: Iterable[Path], aliases: Mapping[str, str]) -> dict[str, torch.Tensor]:
     st, _ = _safetensors()
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update(st.load_file(str(f)))
+        try:
+            state.update(st.load_file(str(f)))
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            raise _damaged(f, e) from None
     for name, kept in aliases.items():  # a tied weight is stored once; the model wants every name
         if name not in state and kept in state:
             state[name] = state[kept]
@@ -244,7 +256,8 @@ class SliceReader:
 
 
 def optimizer_files(src: Path, optimizer: Any) -> tuple[Path, Path]:
-    tensors, meta = src / OPTIMIZER_TENSORS, src / OPTIMIZER_META
+    tensors = inside(src, OPTIMIZER_TENSORS, "the optimizer state")
+    meta = inside(src, OPTIMIZER_META, "the optimizer state")
     if optimizer is not None and not (tensors.is_file() and meta.is_file()):
         raise CheckpointError(
             f"shardcore.load: an optimizer was passed but {str(src)!r} holds no optimizer state ({OPTIMIZER_META} "
@@ -255,7 +268,18 @@ def optimizer_files(src: Path, optimizer: Any) -> tuple[Path, Path]:
 
 def read_optimizer(tensors: Path, meta: Path) -> dict[str, Any]:
     st, _ = _safetensors()
-    return _decode(json.loads(meta.read_text()), st.load_file(str(tensors)))
+    try:
+        flat = st.load_file(str(tensors))
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+        raise _damaged(tensors, e) from None
+    return _decode_file(meta, flat)
+
+
+def _decode_file(meta: Path, flat: Mapping[str, Any]) -> Any:
+    try:
+        return _decode(json.loads(meta.read_text()), flat)
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        raise _damaged(meta, e) from None
 
 
 def optimizer_refs(tensors: Path, meta: Path) -> dict[str, Any]:
@@ -266,7 +290,7 @@ def optimizer_refs(tensors: Path, meta: Path) -> dict[str, Any]:
         raise CheckpointError(
             f"shardcore.load: {str(tensors)!r} holds tensors of a dtype shardcore cannot read: {odd[:3]}."
         )
-    return _decode(json.loads(meta.read_text()), refs)
+    return _decode_file(meta, refs)
 
 
 def _decode(obj: Any, flat: Mapping[str, torch.Tensor]) -> Any:

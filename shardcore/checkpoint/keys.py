@@ -17,6 +17,7 @@ from torch import nn
 from .. import safe_dcp, ties
 from ..capabilities import RenamesParameters
 from ..errors import CheckpointError
+from .confine import inside
 from .runtime import runtime_of
 
 #: the file torch.distributed.checkpoint writes last; its presence marks a DCP directory
@@ -83,7 +84,7 @@ def check_sharded(model: nn.Module, src: Path, optimizer: Any) -> None:
     index = src / SHARD_INDEX
     if index.is_file() and not (src / DCP_METADATA).is_file():
         try:
-            data = json.loads(index.read_text())
+            data = json.loads(inside(src, SHARD_INDEX, "the shard index").read_text())
             found, has_optimizer = {k: tuple(v) for k, v in data["keys"].items()}, bool(data["optimizer"])
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(

@@ -16,6 +16,7 @@ from torch import nn
 
 from ..backend import World
 from ..errors import CheckpointError
+from .confine import inside
 from .keys import tied_names
 
 MANIFEST = "shardcore.json"
@@ -48,8 +49,8 @@ def read_manifest(src: Path) -> dict[str, Any]:
     if not m.is_file():
         return {}
     try:
-        data = json.loads(m.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        data = json.loads(inside(src, MANIFEST, "the manifest").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(
             f"shardcore.load: {str(m)!r} is not readable JSON ({e}). The checkpoint is damaged; save it again."
         ) from None
@@ -57,7 +58,19 @@ def read_manifest(src: Path) -> dict[str, Any]:
         raise CheckpointError(
             f"shardcore.load: {str(m)!r} is not a shardcore manifest. Remove it or pass another path."
         )
-    if data.get("version", 0) > FORMAT_VERSION:
+    version = data.get("version", 0)
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise CheckpointError(
+            f"shardcore.load: {str(m)!r} has the format version {version!r}, not a version shardcore wrote. "
+            "The checkpoint is damaged; save it again."
+        )
+    kind = data.get("state_dict_type")
+    if kind not in (None, "FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+        raise CheckpointError(
+            f"shardcore.load: {str(m)!r} has state_dict_type {kind!r}; shardcore writes FULL_STATE_DICT or "
+            "SHARDED_STATE_DICT. The checkpoint is damaged; save it again."
+        )
+    if version > FORMAT_VERSION:
         raise CheckpointError(
             f"shardcore.load: {str(src)!r} has checkpoint format version {data.get('version')}, newer than this "
             f"shardcore reads ({FORMAT_VERSION}). Upgrade shardcore."

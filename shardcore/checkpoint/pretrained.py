@@ -55,6 +55,7 @@ def from_pretrained(
     from ..distributed import env_world
 
     cfg = parse_config(config)
+    confined(path)
     if cfg.cpu_ram_efficient_loading:
         chosen = resolve_backend(cfg, backend)
         if isinstance(chosen, SlicedLoading) and chosen.shards_without_weights(cfg):
@@ -69,6 +70,23 @@ def from_pretrained(
     with _BUILD_LOCK:
         model = _build_pretrained(model_cls, path, cfg, rank, kwargs)
     return shard(model, cfg, backend=backend)
+
+
+def confined(path: Any) -> None:
+    """Refuse a local directory whose files lead outside it (``..`` or absolute names in its index,
+    symlinks to elsewhere), before Transformers reads it: its own loader joins the index's names to
+    the directory as they come."""
+    from . import full
+    from .confine import inside
+
+    src = Path(path)
+    if not src.is_dir():
+        return  # a hub name: the hub's cache layout is checked when the directory is read
+    for name in ("config.json", "generation_config.json"):
+        if (src / name).exists() or (src / name).is_symlink():
+            inside(src, name, "the model's config")
+    if any((src / n).exists() or (src / n).is_symlink() for n in (full.WEIGHTS, full.WEIGHTS_INDEX)):
+        full.weight_files(src)
 
 
 def _sliced(model_cls: Any, path: Any, cfg: ShardConfig, backend: Any, kwargs: dict[str, Any]) -> nn.Module | None:

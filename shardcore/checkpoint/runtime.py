@@ -92,17 +92,20 @@ def resolve_state_dict_type(value: str | None, cfg: ShardConfig | None) -> str:
     return parse_config({"state_dict_type": value}).state_dict_type
 
 
-def on_rank0(runtime: Any, fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` on rank 0 only; every rank returns its result or raises its error.
+def on_rank0(runtime: Any, fn: Callable[[], Any], *, share: bool = True) -> Any:
+    """Run ``fn`` on rank 0 only; every rank returns its result (rank 0's alone where ``share`` is
+    false: the others get None, and only the verdict travels) or raises its error.
 
     The other ranks wait in the broadcast, so a failure on rank 0 stops every rank instead of
     leaving them waiting in a later collective.
     """
     outcome: tuple[bool, Any] = (True, None)
     error: BaseException | None = None
+    result = None
     if runtime.world().rank == 0:
         try:
-            outcome = (True, fn())
+            result = fn()
+            outcome = (True, result if share else None)
         except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised below
             error = e
             outcome = (False, f"{type(e).__name__}: {e}" if not isinstance(e, ShardcoreError) else str(e))
@@ -111,4 +114,4 @@ def on_rank0(runtime: Any, fn: Callable[[], Any]) -> Any:
         raise error
     if not ok:
         raise CheckpointError(f"rank 0 failed: {value}")
-    return value
+    return value if share else result

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from shardcore.capabilities import LaunchSpec
+from shardcore.checkpoint.runtime import on_rank0
 from shardcore.config import ShardConfig
 from shardcore.distributed import check_batch_divides
 from shardcore.plan import WrapPlan
@@ -106,7 +107,8 @@ class XlaFsdpBackend(XlaBackendBase):
     def load_sharded_state_dict(self, model: nn.Module, optimizer: Any, path: str) -> None:
         """Read a checkpoint of :meth:`save_sharded_state_dict` from a run of any device count. Collective."""
         sharded.check_mode(path, spmd=False)
-        full, osd = sharded.read_fsdp(path) if self.world().rank == 0 else ({}, None)
+        # a damaged checkpoint fails on rank 0; every rank must learn it before the broadcast below
+        full, osd = on_rank0(self, lambda: sharded.read_fsdp(path), share=False) or ({}, None)
         self.load_full_state_dict(model, full)
         if optimizer is not None:
             self.load_full_optimizer_state_dict(model, optimizer, osd or {})

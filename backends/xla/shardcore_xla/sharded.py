@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from shardcore import safe_dcp
+from shardcore.checkpoint.confine import inside
 from shardcore.errors import CheckpointError
 
 INDEX = "shards.json"
@@ -132,7 +133,12 @@ def load_spmd(model: nn.Module, optimizer: Any, path: str, strip: Callable[[str]
     xm.wait_device_ops()
     safe_dcp.load(state, path, SafeSPMDLoadPlanner())
     if optimizer is not None:
-        restore_param_groups(optimizer, json.loads(Path(path, GROUPS).read_text()), f"the checkpoint at {path!r}")
+        groups = inside(path, GROUPS, "the SPMD checkpoint")
+        try:
+            saved = json.loads(groups.read_text())
+        except (OSError, UnicodeDecodeError, RecursionError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"shardcore.load: {str(groups)!r} is not readable ({e}). Save it again.") from None
+        restore_param_groups(optimizer, saved, f"the checkpoint at {path!r}")
 
 
 # ------------------------------------------------------------------------------------ XLA FSDP
@@ -185,12 +191,27 @@ def save_fsdp(
 
 def read_fsdp(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
     """The full (unsharded) model state dict and optimizer state (the layout of the backend's
-    ``full_optimizer_state_dict``) of an XLA FSDP sharded checkpoint of any world size."""
+    ``full_optimizer_state_dict``) of an XLA FSDP sharded checkpoint of any world size.
+
+    The index and the shards come from a file that may have been damaged or written by someone
+    else: anything that does not fit together is a :class:`CheckpointError` naming the file."""
+    index = read_index(path)
+    try:
+        return _read_fsdp(path, index)
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - safetensors, torch.cat, view: each raises its own type
+        raise CheckpointError(
+            f"shardcore.load: the XLA FSDP shards in {path!r} do not fit their {INDEX} ({type(e).__name__}: {e}). "
+            "The checkpoint is damaged; save it again."
+        ) from None
+
+
+def _read_fsdp(path: str, index: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
     from safetensors.torch import load_file
 
-    index = read_index(path)
     world = index["world_size"]
-    ranks = [load_file(str(Path(path, _rank_file(r, world)))) for r in range(world)]
+    ranks = [load_file(str(inside(path, _rank_file(r, world), INDEX))) for r in range(world)]
     full: dict[str, torch.Tensor] = {}
     opt_state: dict[str, dict[str, Any]] = {}
     for first, pieces in index["pieces"].items():
@@ -203,7 +224,7 @@ def read_fsdp(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None
         for key, (v, was_tensor) in index["optimizer_scalars"].get(first, {}).items():
             for name, _ in pieces:
                 opt_state.setdefault(name, {})[key] = torch.tensor(v) if was_tensor else v
-    buffers = Path(path, "buffers.safetensors")
+    buffers = inside(path, "buffers.safetensors", INDEX)
     if buffers.is_file():
         full.update(load_file(str(buffers)))
     if not index["optimizer"]:
@@ -212,16 +233,22 @@ def read_fsdp(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None
 
 
 def read_index(path: str) -> dict[str, Any]:
-    f = Path(path, INDEX)
+    f = inside(path, INDEX, "the XLA FSDP shard index")
     try:
         index = json.loads(f.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, RecursionError, json.JSONDecodeError) as e:
         raise CheckpointError(
             f"shardcore.load: {path!r} has no readable {INDEX} ({e}); it is not an XLA FSDP sharded checkpoint "
             "(one written with xla_fsdp_v2: false), or it is damaged. Save it again."
         ) from None
-    if index.get("format") != FORMAT:
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise CheckpointError(f"shardcore.load: {str(f)!r} is not an XLA FSDP shard index. Save the checkpoint again.")
+    world = index.get("world_size")
+    if not isinstance(world, int) or isinstance(world, bool) or not 1 <= world <= 1 << 20:
+        raise CheckpointError(
+            f"shardcore.load: {str(f)!r} says world_size {world!r}; a checkpoint of n ranks has 1 <= n files. "
+            "The checkpoint is damaged; save it again."
+        )
     return index
 
 
@@ -244,10 +271,33 @@ def named_param_groups(optimizer: Any, names: Callable[[Any], list[str]]) -> lis
 
 def restore_param_groups(optimizer: Any, groups: list[dict[str, Any]], source: str) -> None:
     """Set the hyperparameters of :func:`named_param_groups` back (JSON turned tuples into lists)."""
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise CheckpointError(
+            f"shardcore.load: {source} has optimizer parameter groups of another shape. Save it again."
+        )
     if len(groups) != len(optimizer.param_groups):
         raise CheckpointError(
             f"shardcore.load: {source} has {len(groups)} optimizer parameter groups, this optimizer "
             f"{len(optimizer.param_groups)}. Build the optimizer the way the saving run did."
         )
     for g, saved in zip(optimizer.param_groups, groups):
+        odd = [k for k, v in saved.items() if k != "params" and k in g and not _same_kind(g[k], v)]
+        if odd:
+            raise CheckpointError(
+                f"shardcore.load: {source} has optimizer hyperparameters of another type than this optimizer's: "
+                f"{', '.join(f'{k}={saved[k]!r}' for k in odd[:3])}. Save it again."
+            )
         g.update({k: (tuple(v) if isinstance(g.get(k), tuple) else v) for k, v in saved.items() if k != "params"})
+
+
+def _same_kind(mine: Any, saved: Any) -> bool:
+    """Whether a saved hyperparameter can stand where this optimizer has ``mine`` (JSON has no
+    tuples, and writes 1.0 as 1.0 but an int learning rate as 1)."""
+    number = (int, float)
+    if isinstance(mine, bool) or isinstance(saved, bool):
+        return isinstance(mine, bool) == isinstance(saved, bool)
+    if isinstance(mine, number):
+        return isinstance(saved, number)
+    if isinstance(mine, (tuple, list)):
+        return isinstance(saved, (tuple, list)) and len(saved) == len(mine)
+    return mine is None or saved is None or type(mine) is type(saved)

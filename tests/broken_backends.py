@@ -83,3 +83,16 @@ class SlicesFromRowZeroBackend(FSDP2Backend):
             fill(name, tuple(slice(0, s.stop - s.start) for s in index), out)
 
         super().load_full_slices(model, from_row_zero)
+
+
+class StallsBackend(FSDP2Backend):
+    """FSDP2 whose ranks stop making progress in the first step, as a deadlocked collective does
+    (a sleep far past any case deadline): the suite must kill it and fail the case, not wait."""
+
+    name = "broken-stalls"
+
+    def local_batch(self, batch):
+        import time
+
+        time.sleep(3600)
+        return super().local_batch(batch)

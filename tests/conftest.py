@@ -12,12 +12,21 @@ import os
 
 import pytest
 
+import harness
+
 # pytester: test_process_guard.py runs pytest on small test files to check the guard itself
 pytest_plugins = ["pytester", "process_guard"]
 
 # Transformers imports torch_xla whenever it is installed; tests that want XLA run it in their own
 # processes, so the test process itself stays plain PyTorch.
 os.environ.setdefault("USE_TORCH_XLA", "0")
+
+# XLA:CPU's LLVM back end at -O0 for every XLA process the tests start. On CPU PJRT compiling is
+# most of an XLA run (a 18-case parity run spends 31 s of its 55 in 81 compilations, executing
+# takes 0.3 s), and -O0 halves it (parity run 97 s -> 64 s). The HLO the suite checks is the same;
+# only the machine code differs, as it does between CPUs, which the tolerances already cover
+# (README "Numerics"). `make conformance-xla` and users' runs keep XLA's default.
+os.environ["XLA_FLAGS"] = harness.xla_flags(os.environ.get("XLA_FLAGS", ""))
 
 
 def pytest_collection_modifyitems(config, items):

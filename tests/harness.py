@@ -166,11 +166,22 @@ def tail(out: str | None, err: str | None = None, n: int = 3000) -> str:
     return (out or "")[-n:] + ("\n--- stderr ---\n" + err[-n:] if err else "")
 
 
+#: what the tests add to XLA_FLAGS (conftest.py says why)
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0",)
+
+
+def xla_flags(flags: str) -> str:
+    """``flags`` with the tests' XLA flags added where it does not set them itself."""
+    have = flags.split()
+    extra = [f for f in TEST_XLA_FLAGS if not any(h.split("=")[0] == f.split("=")[0] for h in have)]
+    return " ".join([*have, *extra])
+
+
 #: another CPU's numerics on this one: XLA:CPU's code generation, torch's own CPU kernels, oneDNN and
 #: MKL all capped to SSE4.2 (below AVX2, which every x86-64 CPU of the last decade has). A verdict of
 #: the suite must not change with it (tests/test_numerics.py; README "Numerics").
 CAPPED_ISA = {
-    "XLA_FLAGS": "--xla_cpu_max_isa=SSE4_2",
+    "XLA_FLAGS": xla_flags("--xla_cpu_max_isa=SSE4_2"),
     "ATEN_CPU_CAPABILITY": "default",
     "ONEDNN_MAX_CPU_ISA": "SSE41",
     "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",

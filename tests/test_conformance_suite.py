@@ -3,7 +3,7 @@
 out-of-tree backend package installed and run by its entry-point name).
 
 The command's real runs (new processes) are in test_conformance_cli.py; the full FSDP2 matrix runs
-once, in tests/test_fsdp2_multiprocess.py.
+once, through the command, in test_conformance_cli.py.
 """
 
 from __future__ import annotations

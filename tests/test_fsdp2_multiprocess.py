@@ -4,8 +4,9 @@ import json
 import time
 
 import pytest
+import torch
 
-from shardcore_conformance import Case, fsdp2_matrix, run_suite
+from shardcore_conformance import Case, run_suite
 
 import harness
 from harness import BIN, ROOT
@@ -13,18 +14,7 @@ from harness import BIN, ROOT
 pytestmark = pytest.mark.multiprocess
 
 
-def test_fsdp2_matches_single_device_on_every_case(tmp_path):
-    cases = fsdp2_matrix()
-    result = run_suite(cases, "fsdp2", world_size=2, case_timeout=180, report_dir=tmp_path)
-    failures = "\n".join(f"{v.case}: {v.reasons}" for v in result.failures())
-    assert result.ok, failures
-    assert len(result.verdicts) == len(cases) >= 20
-    # the comparison compared something: every case trained and moved
-    for name, r in result.sharded.items():
-        assert len(r["losses"]) == 5 and r["losses"][0] != r["losses"][-1], name
-    assert (tmp_path / "report.json").exists() and "PASS" in (tmp_path / "report.md").read_text()
-
-
+# The whole matrix runs once, through the command: tests/test_conformance_cli.py.
 # The broken backends are caught through the CLI in tests/test_conformance_suite.py.
 
 
@@ -99,3 +89,30 @@ def test_efficient_loading_refuses_a_model_rank0_cannot_fill_before_sharding(tmp
         assert r["error"]["type"] == "ShardConfigError" and r["error"]["key"] == "cpu_ram_efficient_loading", r
         assert fragment in r["error"]["message"], r
         assert r["applied"] is False, r
+
+
+def test_workers_forked_from_the_preloading_server_train_as_fresh_interpreters_do():
+    """CPU workers are forks of a server that imported torch, Transformers and the suite once; a
+    launch whose environment changes what an import or a kernel library reads (the CPU ISA caps,
+    Transformers' XLA mode), XLA, and CUDA machines get fresh interpreters. Both kinds of worker
+    train a case to the same bits."""
+    from shardcore_conformance.launch import run_cases, worker_start_method
+
+    if torch.cuda.is_available():
+        assert worker_start_method(None, False, {}) == "spawn"
+        pytest.skip("needs a machine without CUDA for the fork server; this one has a GPU")
+    assert worker_start_method(None, False, {"SHARDCORE_CONFORMANCE_SCRATCH": "/tmp/x"}) == "forkserver"
+    assert worker_start_method("fsdp2", False, {"CUDA_VISIBLE_DEVICES": ""}) == "forkserver"
+    for env in ({"ATEN_CPU_CAPABILITY": "default"}, {"ONEDNN_MAX_CPU_ISA": "SSE41"}, {"USE_TORCH_XLA": "1"}):
+        assert worker_start_method("fsdp2", False, env) == "spawn", env
+    assert worker_start_method("xla", False, {}) == "spawn"
+    assert worker_start_method("broken_xla_backends:X", False, {}) == "spawn"
+    assert worker_start_method("fsdp2", True, {}) == "spawn"
+
+    cases = [Case("llama", "llama", {}), Case("gpt2-tied", "gpt2", {})]
+    forked = run_cases(cases, None, 1, 180)
+    fresh = run_cases(cases, None, 1, 180, env={"SHARDCORE_TEST_FRESH_INTERPRETER": "1"})
+    for c in cases:
+        assert forked[c.name]["losses"] == fresh[c.name]["losses"], c.name
+        for k, v in fresh[c.name]["params"].items():
+            assert torch.equal(forked[c.name]["params"][k], v), (c.name, k)

@@ -40,6 +40,53 @@ def launch_spec(backend: str | None, case: Case, world_size: int) -> LaunchSpec:
     return b.launch_spec(shardcore.parse_config(case.config), world_size)
 
 
+#: what every CPU worker imports before its first case (about 5 s of CPU on a small machine). A fork
+#: server imports it once per launching process, and each worker is a fork of it; over a test session
+#: that starts some 40 groups of workers, that is minutes.
+_PRELOAD = [
+    "torch",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "shardcore",
+    "shardcore_conformance.train",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.gpt2.modeling_gpt2",
+]
+#: variables a worker may set that no preloaded module reads at import (the rest are read at import,
+#: e.g. Transformers' USE_TORCH_XLA, or by a kernel library on first use, e.g. ATEN_CPU_CAPABILITY,
+#: and must be seen by a fresh interpreter)
+_FORK_SAFE_ENV = frozenset({"SHARDCORE_CONFORMANCE_SCRATCH", "SHARDCORE_CONFORMANCE_PROGRESS", "CUDA_VISIBLE_DEVICES"})
+_server_env: dict[str, str] | None = None
+
+
+def worker_start_method(backend: str | None, per_device: bool, env: dict[str, str]) -> str:
+    """``forkserver`` for workers that run on the CPU with what the fork server imported; ``spawn``
+    (a fresh interpreter) for XLA (its runtime and Transformers' XLA mode are chosen at import), on
+    a machine with CUDA (forking around a CUDA context is unsafe), and for any launch whose
+    environment changes a variable outside ``_FORK_SAFE_ENV`` from the server's."""
+    global _server_env
+    if per_device or (backend is not None and "xla" in backend) or torch.cuda.is_available():
+        return "spawn"
+    import multiprocessing.forkserver as forkserver
+
+    if _server_env is None:
+        # the server inherits this environment, plus Transformers in plain-PyTorch mode (_worker)
+        saved = os.environ.get("USE_TORCH_XLA")
+        os.environ["USE_TORCH_XLA"] = "0"
+        try:
+            mp.set_forkserver_preload(_PRELOAD)
+            forkserver.ensure_running()
+            _server_env = dict(os.environ)
+        finally:
+            if saved is None:
+                del os.environ["USE_TORCH_XLA"]
+            else:
+                os.environ["USE_TORCH_XLA"] = saved
+    changed = {k for k, v in env.items() if k not in _FORK_SAFE_ENV and _server_env.get(k) != v}
+    return "spawn" if changed else "forkserver"
+
+
 def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     """The variables torchrun gives rank ``rank`` of ``world_size`` on one machine, for processes
     this package (and the benchmarks) start themselves."""
@@ -156,6 +203,7 @@ def _run_group(
     with tempfile.TemporaryDirectory(prefix="shardcore-conf-") as tmp:
         while pending:
             out = Path(tempfile.mkdtemp(dir=tmp))
+            start_method = worker_start_method(backend, per_device, env)
             ctx = mp.start_processes(
                 _worker,
                 args=(
@@ -170,7 +218,7 @@ def _run_group(
                 ),
                 nprocs=nprocs,
                 join=False,
-                start_method="spawn",
+                start_method=start_method,
             )
             failure = _wait(ctx, out, nprocs, case_timeout, pending)
             done = [c for c in pending if (out / f"{c.name}.pt").exists()]

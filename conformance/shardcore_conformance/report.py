@@ -219,7 +219,7 @@ def _plots(result: "SuiteResult", cases: list[Case], out: Path) -> list[Path]:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from matplotlib.ticker import MaxNLocator
+        from matplotlib.ticker import MaxNLocator, NullLocator
     except ImportError:
         log.warning("matplotlib is not installed: no plots (pip install 'shardcore-conformance[plots]')")
         return []
@@ -241,8 +241,20 @@ def _plots(result: "SuiteResult", cases: list[Case], out: Path) -> list[Path]:
             _plot_case(top, bottom, c, result.reference[c.name], result.sharded[c.name], verdicts[c.name])
             for ax in (top, bottom):
                 ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            # a log axis's minor ticks cost more to lay out than the rest of the figure, and say nothing here
+            bottom.yaxis.set_minor_locator(NullLocator())
         fig.suptitle(f"{result.backend}, world size {result.world_size}: {fam}", fontsize=10)
-        fig.tight_layout()
+        # fixed margins in inches, not tight_layout: measuring every tick label made a full report's
+        # plots take 48 s of a 75 s FSDP2 suite run
+        height = 4.4 * nblock
+        fig.subplots_adjust(
+            left=0.5 / (2.9 * ncol),
+            right=0.97,
+            bottom=0.35 / height,
+            top=1 - 0.8 / height,
+            hspace=0.6,
+            wspace=0.45,
+        )
         path = out / "plots" / f"loss-{fam}.png"
         fig.savefig(path, dpi=80)
         plt.close(fig)

@@ -6,6 +6,7 @@ Each XLA run is its own process (tests/workers/xla_*.py); the FSDP2 and plain Py
 """
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,25 +75,41 @@ def test_full_checkpoint_from_fsdp2_loads_into_xla(full_runs, mode, devices):
         assert torch.equal(got[k], v), k
 
 
+@pytest.fixture(scope="module")
+def resume_chain(tmp_path_factory):
+    """``get(mode)``: SHARDED_STATE_DICT saved on 2 devices, loaded and saved again on 4, then on 1
+    (one XLA process each); the directory of each device count's run."""
+    runs = {}
+
+    def get(mode: str) -> Path:
+        if mode not in runs:
+            root, previous = tmp_path_factory.mktemp(f"resume-{mode}"), "-"
+            for devices in (2, 4, 1):
+                out = root / f"{devices}dev"
+                out.mkdir()
+                _xla("xla_resume", devices, mode, "SHARDED_STATE_DICT", previous, str(out))
+                previous = str(out / "ckpt")
+            runs[mode] = root
+        return runs[mode]
+
+    return get
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["fsdp", "spmd"])
-def test_sharded_checkpoint_resumes_at_other_device_counts(tmp_path, mode):
-    """SHARDED_STATE_DICT saved on 2 devices loads on 4, whose save loads on 1: each load gives
-    back exactly the parameters and AdamW state the previous run saved."""
-    previous, saved_by_previous = "-", None
+def test_sharded_checkpoint_resumes_at_other_device_counts(resume_chain, mode):
+    """Each load gives back exactly the parameters and AdamW state the previous run saved."""
+    root = resume_chain(mode)
+    for previous, devices in ((2, 4), (4, 1)):
+        saved = load_file(str(root / f"{previous}dev" / "saved.safetensors"))
+        loaded = load_file(str(root / f"{devices}dev" / "loaded.safetensors"))
+        assert set(saved) == set(loaded) and any(k.startswith("optimizer.") for k in saved)
+        for k, v in saved.items():
+            assert torch.equal(loaded[k], v), (devices, k)
     for devices in (2, 4, 1):
-        out = tmp_path / f"{devices}dev"
-        out.mkdir()
-        _xla("xla_resume", devices, mode, "SHARDED_STATE_DICT", previous, str(out))
-        if previous != "-":
-            saved, loaded = load_file(str(saved_by_previous)), load_file(str(out / "loaded.safetensors"))
-            assert set(saved) == set(loaded) and any(k.startswith("optimizer.") for k in saved)
-            for k, v in saved.items():
-                assert torch.equal(loaded[k], v), (devices, k)
-        manifest = json.loads((out / "ckpt" / "shardcore.json").read_text())
+        manifest = json.loads((root / f"{devices}dev" / "ckpt" / "shardcore.json").read_text())
         assert manifest["state_dict_type"] == "SHARDED_STATE_DICT"
-        previous, saved_by_previous = str(out / "ckpt"), out / "saved.safetensors"
-    files = {p.name for p in (tmp_path / "4dev" / "ckpt").iterdir()}
+    files = {p.name for p in (root / "4dev" / "ckpt").iterdir()}
     if mode == "fsdp":  # each rank's shards, no pickle anywhere
         assert {f"rank-{r:05d}-of-00004.safetensors" for r in range(4)} | {"shards.json"} <= files
     else:
@@ -100,18 +117,16 @@ def test_sharded_checkpoint_resumes_at_other_device_counts(tmp_path, mode):
 
 
 @pytest.mark.multiprocess
-def test_sharded_checkpoint_of_one_xla_mode_is_refused_by_the_other(tmp_path):
+def test_sharded_checkpoint_of_one_xla_mode_is_refused_by_the_other(resume_chain, tmp_path):
+    """The 1-device SHARDED checkpoint of each mode (from the resume chain) in the other mode."""
     for mode, other in (("fsdp", "spmd"), ("spmd", "fsdp")):
-        out = tmp_path / mode
-        out.mkdir()
-        _xla("xla_resume", 1, mode, "SHARDED_STATE_DICT", "-", str(out))
         again = tmp_path / f"{mode}-into-{other}"
         again.mkdir()
         run = harness.python(
             harness.worker("xla_resume"),
             other,
             "SHARDED_STATE_DICT",
-            str(out / "ckpt"),
+            str(resume_chain(mode) / "1dev" / "ckpt"),
             str(again),
             env=harness.xla_env(1),
             timeout=300,

@@ -61,3 +61,19 @@ def test_sharded_checkpoint_outside_a_sharded_run(tmp_path):
 def test_bad_state_dict_type(tmp_path):
     with pytest.raises(shardcore.ShardConfigError, match="state_dict_type"):
         shardcore.save(MLP(), tmp_path / "x", state_dict_type="LOCAL_STATE_DICT")
+
+
+@pytest.mark.parametrize("name", ["shardcore.json", "optimizer.json", "model.safetensors.index.json"])
+def test_json_nested_past_the_parsers_recursion_limit_is_a_checkpoint_error(tmp_path, name):
+    """Every JSON file a checkpoint holds goes through one reader: 200,000 nested arrays (a
+    RecursionError in json.loads) is a CheckpointError naming the file, like any other bad JSON."""
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 13)).sum().backward()
+    opt.step()
+    shardcore.save(model, tmp_path / "c", opt)
+    if name == "model.safetensors.index.json":
+        (tmp_path / "c" / "model.safetensors").rename(tmp_path / "c" / "model-00001-of-00001.safetensors")
+    (tmp_path / "c" / name).write_text("[" * 200_000)
+    with pytest.raises(shardcore.CheckpointError, match=rf"{name}.*is not readable JSON \(maximum recursion depth"):
+        shardcore.load(MLP(), tmp_path / "c", torch.optim.AdamW(MLP().parameters()))

@@ -13,8 +13,10 @@ repository's own ``blobs`` is accepted; nothing else outside is.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any
 
 from ..errors import CheckpointError
 
@@ -59,3 +61,20 @@ def inside(root: str | os.PathLike, name: object, what: str) -> Path:
             "read from it. Copy the files into the checkpoint directory if they belong to it."
         )
     return path
+
+
+#: what reading and parsing a JSON file a checkpoint holds may raise: a missing or unreadable file,
+#: bytes that are not UTF-8 or not JSON (both ValueErrors), nesting deeper than the parser's recursion
+UNREADABLE_JSON = (OSError, ValueError, RecursionError)
+
+
+def read_json(
+    root: str | os.PathLike, name: str, what: str, fix: str = "The checkpoint is damaged; save it again."
+) -> Any:
+    """The JSON in ``root / name``, read through :func:`inside`; a file that cannot be read or parsed
+    is a :class:`CheckpointError` that names it, says why and ends with ``fix``."""
+    path = inside(root, name, what)
+    try:
+        return json.loads(path.read_text())
+    except UNREADABLE_JSON as e:
+        raise CheckpointError(f"shardcore.load: {str(path)!r} ({what}) is not readable JSON ({e}). {fix}") from None

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
-from .confine import inside
+from .confine import inside, read_json
 from .keys import DCP_METADATA, tied_names
 from .manifest import MANIFEST
 
@@ -119,10 +119,12 @@ def weight_files(src: Path) -> list[Path]:
         return [inside(src, WEIGHTS, "the weights file")]
     index = src / WEIGHTS_INDEX
     if index.is_file():
+        data = read_json(
+            src, WEIGHTS_INDEX, "the safetensors index", "It is not a safetensors index, or it is damaged."
+        )
         try:
-            weight_map = json.loads(inside(src, WEIGHTS_INDEX, "the index file").read_text())["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            names = sorted(set(data["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"shardcore.load: {str(index)!r} is not a safetensors index ({e!r}).") from None
         files = [inside(src, n, f"{WEIGHTS_INDEX}'s weight_map") for n in names]
         missing = [str(f) for f in files if not f.is_file()]
@@ -276,9 +278,10 @@ def read_optimizer(tensors: Path, meta: Path) -> dict[str, Any]:
 
 
 def _decode_file(meta: Path, flat: Mapping[str, Any]) -> Any:
+    data = read_json(meta.parent, meta.name, "the optimizer state")
     try:
-        return _decode(json.loads(meta.read_text()), flat)
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        return _decode(data, flat)
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise _damaged(meta, e) from None
 
 

@@ -7,7 +7,6 @@ headers, so every rank reaches the same verdict without talking to the others.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -17,7 +16,7 @@ from torch import nn
 from .. import safe_dcp, ties
 from ..capabilities import RenamesParameters
 from ..errors import CheckpointError
-from .confine import inside
+from .confine import read_json
 from .runtime import runtime_of
 
 #: the file torch.distributed.checkpoint writes last; its presence marks a DCP directory
@@ -83,10 +82,10 @@ def check_sharded(model: nn.Module, src: Path, optimizer: Any) -> None:
     DCP's metadata (read with the allow-listed unpickler, since the file may come from anywhere)."""
     index = src / SHARD_INDEX
     if index.is_file() and not (src / DCP_METADATA).is_file():
+        data = read_json(src, SHARD_INDEX, "the shard index", "Save it again.")
         try:
-            data = json.loads(inside(src, SHARD_INDEX, "the shard index").read_text())
             found, has_optimizer = {k: tuple(v) for k, v in data["keys"].items()}, bool(data["optimizer"])
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(
                 f"shardcore.load: {str(index)!r} is not a readable shard index ({e!r}). Save it again."
             ) from None

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..backend import World
 from ..errors import CheckpointError
-from .confine import inside
+from .confine import read_json
 from .keys import tied_names
 
 MANIFEST = "shardcore.json"
@@ -48,12 +48,7 @@ def read_manifest(src: Path) -> dict[str, Any]:
     m = src / MANIFEST
     if not m.is_file():
         return {}
-    try:
-        data = json.loads(inside(src, MANIFEST, "the manifest").read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(
-            f"shardcore.load: {str(m)!r} is not readable JSON ({e}). The checkpoint is damaged; save it again."
-        ) from None
+    data = read_json(src, MANIFEST, "the manifest")
     if not isinstance(data, dict) or data.get("format") != "shardcore":
         raise CheckpointError(
             f"shardcore.load: {str(m)!r} is not a shardcore manifest. Remove it or pass another path."

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from shardcore import safe_dcp
-from shardcore.checkpoint.confine import inside
+from shardcore.checkpoint.confine import inside, read_json
 from shardcore.errors import CheckpointError
 
 INDEX = "shards.json"
@@ -133,11 +133,7 @@ def load_spmd(model: nn.Module, optimizer: Any, path: str, strip: Callable[[str]
     xm.wait_device_ops()
     safe_dcp.load(state, path, SafeSPMDLoadPlanner())
     if optimizer is not None:
-        groups = inside(path, GROUPS, "the SPMD checkpoint")
-        try:
-            saved = json.loads(groups.read_text())
-        except (OSError, UnicodeDecodeError, RecursionError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"shardcore.load: {str(groups)!r} is not readable ({e}). Save it again.") from None
+        saved = read_json(path, GROUPS, "the SPMD checkpoint's optimizer groups", "Save it again.")
         restore_param_groups(optimizer, saved, f"the checkpoint at {path!r}")
 
 
@@ -233,14 +229,14 @@ def _read_fsdp(path: str, index: dict[str, Any]) -> tuple[dict[str, torch.Tensor
 
 
 def read_index(path: str) -> dict[str, Any]:
-    f = inside(path, INDEX, "the XLA FSDP shard index")
-    try:
-        index = json.loads(f.read_text())
-    except (OSError, UnicodeDecodeError, RecursionError, json.JSONDecodeError) as e:
-        raise CheckpointError(
-            f"shardcore.load: {path!r} has no readable {INDEX} ({e}); it is not an XLA FSDP sharded checkpoint "
-            "(one written with xla_fsdp_v2: false), or it is damaged. Save it again."
-        ) from None
+    f = Path(path, INDEX)
+    index = read_json(
+        path,
+        INDEX,
+        "the XLA FSDP shard index",
+        "It is not an XLA FSDP sharded checkpoint (one written with xla_fsdp_v2: false), or it is damaged. Save it "
+        "again.",
+    )
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise CheckpointError(f"shardcore.load: {str(f)!r} is not an XLA FSDP shard index. Save the checkpoint again.")
     world = index.get("world_size")

@@ -78,7 +78,7 @@ def check_metadata(metadata: Any, where: str) -> None:
             "damaged; save it again."
         )
 
-    def sizes(value: Any) -> bool:
+    def sizes(value: Any) -> bool:  # a sequence of non-negative ints
         return isinstance(value, (tuple, list, torch.Size)) and all(
             isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
         )
@@ -103,7 +103,7 @@ def check_metadata(metadata: Any, where: str) -> None:
     for index, info in storage.items():
         if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
             raise bad(f"a storage_data entry is a {type(info).__name__}")
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (info.offset, info.length)):
+        if not sizes((info.offset, info.length)):
             raise bad(f"storage item {index.fqn!r} has offset {info.offset!r} and length {info.length!r}")
 
 

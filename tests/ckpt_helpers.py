@@ -22,8 +22,9 @@ def command(nproc: int, worker: str, *args: str) -> list[str]:
 
 
 def torchrun(nproc: int, worker: str, *args: str, timeout: float = DEADLINE) -> None:
-    """Run ``workers/<worker>.py`` on ``nproc`` ranks; a failure or a hang past ``timeout`` fails the test."""
-    proc = harness.run(command(nproc, worker, *args), timeout=timeout, merge=True)
+    """Run ``workers/<worker>.py`` on ``nproc`` ranks (torchrun's variables, forks of a zygote:
+    ``harness.ranks``); a failure or a hang past ``timeout`` fails the test."""
+    proc = harness.ranks(nproc, harness.worker(worker), *args, timeout=timeout)
     if proc.returncode != 0:
         text = proc.stdout
         errors = [ln for ln in text.splitlines() if "Error" in ln or "error" in ln]

@@ -7,14 +7,18 @@ included) and the test fails, so a hang can never block CI.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
+from shardcore_conformance import zygote
 from shardcore_conformance.launch import free_port, torchrun_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,24 +74,83 @@ def run(
     cmd: list[str], *, env: dict[str, str] | None = None, timeout: float = 300, cwd: Path = ROOT, merge: bool = False
 ) -> subprocess.CompletedProcess:
     """Run ``cmd`` to the end in its own process group; ``merge`` sends stderr into stdout. Past
-    ``timeout`` seconds the group is killed and the test fails (a hang)."""
-    proc = subprocess.Popen(
-        [str(c) for c in cmd],
-        env=clean_env() if env is None else env,
-        cwd=cwd,
-        text=True,
-        errors="replace",
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT if merge else subprocess.PIPE,
-        start_new_session=True,
-    )
+    ``timeout`` seconds the group is killed and the test fails (a hang). A Python program on XLA
+    devices is a fork of a zygote that imported torch_xla in the same environment (:func:`forked`)."""
+    env = clean_env() if env is None else env
+    if forked(cmd, env):
+        proc, out, err = _start_forked(cmd, env, cwd, merge)
+    else:
+        proc = subprocess.Popen(
+            [str(c) for c in cmd],
+            env=env,
+            cwd=cwd,
+            text=True,
+            errors="replace",
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT if merge else subprocess.PIPE,
+            start_new_session=True,
+        )
+        out, err = proc.stdout, proc.stderr
     try:
-        out, err = proc.communicate(timeout=timeout)
+        stdout, stderr = _communicate(proc, out, err, timeout)
     except subprocess.TimeoutExpired:
         kill_group(proc)
-        out, err = proc.communicate()
-        pytest.fail(f"{' '.join(map(str, cmd))} did not finish within {timeout:g}s:\n{tail(out, err)}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        stdout, stderr = _communicate(proc, out, err, 60)
+        pytest.fail(f"{' '.join(map(str, cmd))} did not finish within {timeout:g}s:\n{tail(stdout, stderr)}")
+    return subprocess.CompletedProcess([str(c) for c in cmd], proc.wait(), stdout, stderr)
+
+
+def forked(cmd: list, env: dict[str, str]) -> bool:
+    """Whether ``cmd`` runs as a zygote's fork: ``python script.py ...`` on XLA devices, where
+    importing torch_xla is most of a short program's time (6 to 8 s of CPU here). Others start
+    fresh: FSDP2 programs are torchrun's, and a test of what a fresh interpreter imports
+    (workers/core_imports.py) must get one."""
+    return (
+        "PJRT_DEVICE" in env
+        and len(cmd) >= 2
+        and str(cmd[0]) == sys.executable
+        and str(cmd[1]).endswith(".py")
+        and Path(cmd[1]).is_file()
+    )
+
+
+def _start_forked(cmd, env, cwd, merge):
+    out_r, out_w = os.pipe()
+    err_r, err_w = (None, None) if merge else os.pipe()
+    try:
+        proc = zygote.shared().get(env).start(cmd[1:], env=env, cwd=cwd, stdout=out_w, stderr=out_w if merge else err_w)
+    finally:
+        os.close(out_w)
+        if err_w is not None:
+            os.close(err_w)
+    reader = functools.partial(open, mode="r", errors="replace")
+    return proc, reader(out_r), (reader(err_r) if err_r is not None else None)
+
+
+def _communicate(proc, out, err, timeout: float) -> tuple[str, str | None]:
+    """Read ``out`` and ``err`` to their ends and wait for ``proc``, within ``timeout`` seconds
+    (``subprocess.TimeoutExpired`` past it; the reading goes on, and a second call collects it)."""
+    if not hasattr(proc, "_harness_readers"):
+        got: dict[str, str] = {}
+
+        def read(name, stream):
+            got[name] = stream.read()
+            stream.close()
+
+        threads = [
+            threading.Thread(target=read, args=(n, s), daemon=True) for n, s in (("out", out), ("err", err)) if s
+        ]
+        for t in threads:
+            t.start()
+        proc._harness_readers = (threads, got)
+    threads, got = proc._harness_readers
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+        if t.is_alive():
+            raise subprocess.TimeoutExpired(proc.args, timeout)
+    proc.wait(max(0.0, deadline - time.monotonic()) + 5)
+    return got.get("out", ""), got.get("err")
 
 
 def python(script: Path | str, *args: str, **kw) -> subprocess.CompletedProcess:
@@ -98,6 +161,49 @@ def python(script: Path | str, *args: str, **kw) -> subprocess.CompletedProcess:
 def torchrun(nproc: int, script: Path | str, *args: str, **kw) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc_per_node nproc script args``."""
     return run([BIN / "torchrun", "--standalone", "--nproc_per_node", str(nproc), script, *args], **kw)
+
+
+def ranks(nproc: int, script: Path | str, *args: str, env: dict[str, str] | None = None, timeout: float = 300):
+    """``nproc`` ranks of ``python script args`` with torchrun's variables, as forks of a zygote
+    that imported torch, Transformers and shardcore (``torchrun`` and its ranks would import them
+    ``nproc + 1`` times, 5 s of CPU each here), for tests of what the ranks do rather than of the
+    launcher. As torchrun: stdout and stderr of every rank in one stream, the others killed once one
+    fails, and a non-zero exit status if any failed. Past ``timeout`` the test fails."""
+    env = clean_env() if env is None else env
+    port = free_port()
+    out_r, out_w = os.pipe()
+    procs = []
+    try:
+        for rank in range(nproc):
+            rank_env = {**env, **torchrun_env(rank, nproc, port)}
+            z = zygote.shared().get(rank_env)
+            procs.append(z.start([script, *args], env=rank_env, cwd=ROOT, stdout=out_w, stderr=out_w))
+    finally:
+        os.close(out_w)
+    stream = open(out_r, errors="replace")
+    got: dict[str, str] = {}
+    reader = threading.Thread(target=lambda: got.update(out=stream.read()), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout
+    failed = None
+    while failed is None and time.monotonic() < deadline:
+        codes = [p.poll() for p in procs]
+        failed = next((c for c in codes if c not in (None, 0)), None)
+        if failed is None and all(c == 0 for c in codes):
+            break
+        time.sleep(0.05)
+    else:
+        if failed is None:  # the deadline passed
+            for p in procs:
+                kill_group(p)
+            reader.join(60)
+            pytest.fail(f"{script} on {nproc} ranks did not finish within {timeout:g}s:\n{tail(got.get('out'))}")
+    for p in procs:
+        if p.poll() is None:
+            kill_group(p)
+    reader.join(60)
+    cmd = [sys.executable, str(script), *map(str, args)]
+    return subprocess.CompletedProcess(cmd, failed or 0, got.get("out", ""), None)
 
 
 def start_ranks(

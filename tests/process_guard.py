@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from shardcore_conformance.zygote import Zygote
+
 MARKER = "multiprocess"
 TESTS = Path(__file__).resolve().parent
 
@@ -34,6 +36,7 @@ LAUNCHERS = {
     "harness.run",
     "harness.python",
     "harness.torchrun",
+    "harness.ranks",
     "harness.start_ranks",
     "os.fork",
     "os.forkpty",
@@ -202,6 +205,7 @@ def _refuse(nodeid: str, what: str, original):
 _ENTRY_POINTS = (
     (subprocess.Popen, "_execute_child", "subprocess.Popen"),
     (multiprocessing.process.BaseProcess, "start", "multiprocessing Process.start"),
+    (Zygote, "start", "a zygote's fork (Zygote.start)"),
     *(
         (module, name, f"os.{name}")
         for name in ("fork", "forkpty", "system", "posix_spawn", "posix_spawnp")

@@ -11,7 +11,6 @@ import pytest
 from fuzz_checkpoints import bad, examples_from_env, summary
 
 import harness
-from ckpt_helpers import command
 
 EXAMPLES = examples_from_env(25)
 SEED = 20261203
@@ -24,7 +23,7 @@ def test_mutated_checkpoints_load_identically_or_are_refused_on_every_rank(tmp_p
     args = (backend, str(tmp_path), str(EXAMPLES), str(SEED))
     deadline = 240 + 6 * EXAMPLES
     if backend == "fsdp2":
-        proc = harness.run(command(2, "ckpt_fuzz", *args), timeout=deadline, merge=True)
+        proc = harness.ranks(2, harness.worker("ckpt_fuzz"), *args, timeout=deadline)
         ranks = 2
     else:
         pytest.importorskip("torch_xla", reason="needs torch_xla")

@@ -217,3 +217,25 @@ def test_spmd_hsdp_layout_on_4_cpu_devices():
         "head": "{devices=[1,4]0,1,2,3}",
         "loaded": True,
     }
+
+
+@pytest.mark.multiprocess
+def test_launch_runs_the_cpu_devices_as_threads_of_this_process_and_again():
+    """On CPU, shardcore.launch runs XLA FSDP's device threads in the calling process (no process
+    of xmp.spawn's), and a second launch in the same process trains the same numbers."""
+    got = worker_json("xla_launch", 2, "twice")
+    ran = sorted(got["ran"], key=lambda r: (r["launch"], r["ordinal"]))
+    assert [(r["launch"], r["ordinal"]) for r in ran] == [(0, 0), (0, 1), (1, 0), (1, 1)], got
+    assert {r["pid"] for r in ran} == {got["pid"]}, got
+    first, second = ran[:2], ran[2:]  # each device's own batch, so its own loss
+    assert [r["losses"] for r in second] == [r["losses"] for r in first], got
+    assert all(r["losses"][0] != r["losses"][1] for r in ran), got  # it trained
+
+
+@pytest.mark.multiprocess
+def test_launch_after_the_runtime_started_without_the_cpu_recipe_is_a_clear_error():
+    """A runtime started before the launch (the device touched) keeps the asynchronous CPU client,
+    whose collectives deadlock: the launch names the variable and the fix instead of hanging."""
+    got = worker_json("xla_launch", 2, "touched")
+    assert got["ran"] == [] and got["error"]["type"] == "DistributedSetupError", got
+    assert "PJRT_CPU_ASYNC_CLIENT is unset" in got["error"]["message"], got

@@ -12,6 +12,8 @@ import json
 import logging
 import os
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -20,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 import torch.multiprocessing as mp
-from torch.multiprocessing.spawn import ProcessException
+from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
 from shardcore.capabilities import DeviceLaunch, LaunchSpec
 
@@ -61,12 +63,21 @@ _server_env: dict[str, str] | None = None
 
 
 def worker_start_method(backend: str | None, per_device: bool, env: dict[str, str]) -> str:
-    """``forkserver`` for workers that run on the CPU with what the fork server imported; ``spawn``
-    (a fresh interpreter) for XLA (its runtime and Transformers' XLA mode are chosen at import), on
-    a machine with CUDA (forking around a CUDA context is unsafe), and for any launch whose
-    environment changes a variable outside ``_FORK_SAFE_ENV`` from the server's."""
+    """How a group of workers starts.
+
+    * ``forkserver``: workers that run on the CPU with what the fork server imported;
+    * ``zygote``: XLA workers on CPU PJRT devices, forks of a zygote (:mod:`.zygote`) that imported
+      torch_xla in the group's environment (torch_xla and Transformers choose their modes at import,
+      so the fork server, which imported Transformers without XLA, cannot serve them);
+    * ``spawn`` (a fresh interpreter): other XLA devices, a machine with CUDA (forking around a CUDA
+      context is unsafe), and a launch whose environment changes a variable outside
+      ``_FORK_SAFE_ENV`` from the fork server's."""
     global _server_env
-    if per_device or (backend is not None and "xla" in backend) or torch.cuda.is_available():
+    if torch.cuda.is_available():
+        return "spawn"
+    if backend is not None and "xla" in backend:
+        return "zygote" if env.get("PJRT_DEVICE") == "CPU" else "spawn"
+    if per_device:
         return "spawn"
     import multiprocessing.forkserver as forkserver
 
@@ -85,6 +96,63 @@ def worker_start_method(backend: str | None, per_device: bool, env: dict[str, st
                 os.environ["USE_TORCH_XLA"] = saved
     changed = {k for k, v in env.items() if k not in _FORK_SAFE_ENV and _server_env.get(k) != v}
     return "spawn" if changed else "forkserver"
+
+
+def _start_forked(nprocs: int, args: tuple, env: dict[str, str], scratch: Path) -> "_ForkedWorkers":
+    """``nprocs`` workers as forks of the zygote for this process's environment with ``env`` on top,
+    and with this process's ``sys.path`` (a backend named by ``module:Class`` is found as with spawn)."""
+    from .zygote import shared
+
+    worker_env = {**os.environ, **env}
+    spec = scratch / "worker-args.json"
+    spec.write_text(json.dumps(list(args)))
+    program = Path(__file__).with_name("_zygote_worker.py")
+    zygote = shared().get(worker_env)
+    procs = [
+        zygote.start([program, str(rank), spec], env=worker_env, cwd=os.getcwd(), stdout=1, stderr=2, path=sys.path)
+        for rank in range(nprocs)
+    ]
+    return _ForkedWorkers(procs)
+
+
+class _ForkedWorkers:
+    """What ``_wait`` and ``_kill`` use of torch's ``ProcessContext``, for a zygote's forks."""
+
+    def __init__(self, procs):
+        self.processes = [_Forked(p) for p in procs]
+
+    def join(self, timeout: float | None = None) -> bool:
+        deadline = time.monotonic() + (timeout or 0)
+        while True:
+            codes = [p.proc.poll() for p in self.processes]
+            for i, code in enumerate(codes):
+                if code not in (None, 0):
+                    raise ProcessExitedException(
+                        f"process {i} terminated with exit code {code}", i, self.processes[i].pid, code
+                    )
+            if all(c == 0 for c in codes):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+
+
+class _Forked:
+    def __init__(self, proc):
+        self.proc = proc
+        self.pid = proc.pid
+
+    def is_alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
@@ -171,9 +239,11 @@ def run_cases(
     case_timeout: float = 300.0,
     env: dict[str, str] | None = None,
     on_case_done: Callable[[Case, dict[str, Any]], None] | None = None,
+    start_method: str | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Run ``cases`` on ``world_size`` ranks (``backend`` None: the single-device reference, one
-    process). Returns name -> result dict, or name -> {"error": text} for a case that failed."""
+    process). Returns name -> result dict, or name -> {"error": text} for a case that failed.
+    ``start_method`` overrides :func:`worker_start_method`'s choice (``spawn``: fresh interpreters)."""
     groups: dict[tuple, list[Case]] = {}
     for c in cases:
         spec = launch_spec(backend, c, world_size)
@@ -190,36 +260,26 @@ def run_cases(
                 {**dict(spec_env), **(env or {})},
                 case_timeout,
                 on_case_done,
+                start_method,
             )
         )
     return results
 
 
 def _run_group(
-    cases, backend, world_size, nprocs, per_device, env, case_timeout, on_case_done
+    cases, backend, world_size, nprocs, per_device, env, case_timeout, on_case_done, start
 ) -> dict[str, dict[str, Any]]:
     results: dict[str, dict[str, Any]] = {}
     pending = list(cases)
     with tempfile.TemporaryDirectory(prefix="shardcore-conf-") as tmp:
         while pending:
             out = Path(tempfile.mkdtemp(dir=tmp))
-            start_method = worker_start_method(backend, per_device, env)
-            ctx = mp.start_processes(
-                _worker,
-                args=(
-                    nprocs,
-                    per_device,
-                    world_size,
-                    free_port(),
-                    [c.to_dict() for c in pending],
-                    backend,
-                    str(out),
-                    env,
-                ),
-                nprocs=nprocs,
-                join=False,
-                start_method=start_method,
-            )
+            start_method = start or worker_start_method(backend, per_device, env)
+            args = (nprocs, per_device, world_size, free_port(), [c.to_dict() for c in pending], backend, str(out), env)
+            if start_method == "zygote":
+                ctx = _start_forked(nprocs, args, env, out)
+            else:
+                ctx = mp.start_processes(_worker, args=args, nprocs=nprocs, join=False, start_method=start_method)
             failure = _wait(ctx, out, nprocs, case_timeout, pending)
             done = [c for c in pending if (out / f"{c.name}.pt").exists()]
             for c in done:

@@ -1,6 +1,7 @@
 """Starting the ranks of an XLA run (shardcore-conformance and :func:`shardcore.launch`): one process
-for every device under SPMD; under XLA FSDP one device per process or, on CPU, per thread of one
-process (``xmp.spawn``), with the CPU recipe's environment (cpu.py) set before the runtime starts.
+for every device under SPMD; under XLA FSDP one device per process (``xmp.spawn``) or, on CPU, one
+thread per device in the calling process, with the CPU recipe's environment (cpu.py) set before the
+runtime starts.
 """
 
 from __future__ import annotations
@@ -36,13 +37,45 @@ def fsdp_launch_spec(world_size: int) -> LaunchSpec:
 
 
 def run_on_devices(fn: Callable[[int], None]) -> None:
-    """Run ``fn(ordinal)`` once per device (``xmp.spawn``). On CPU it first sets the runtime
-    environment XLA FSDP needs on several devices (see cpu.py), which the spawned process inherits."""
+    """Run ``fn(ordinal)`` once per device, as ``xmp.spawn`` does.
+
+    On CPU it first sets the runtime environment XLA FSDP needs on several devices (see cpu.py), and
+    runs the device threads in this process. ``xmp.spawn`` would start one process for them, whose
+    only job is to call torch_xla's thread-per-device runner with the same environment: a second
+    interpreter that imports torch, torch_xla and the caller's modules again (6 to 8 s on a 2-core
+    machine) and must unpickle ``fn``. Unlike ``xmp.spawn`` it may run again in the same process.
+    Elsewhere (TPU, plug-in devices: one process per chip) it is ``xmp.spawn``."""
+    if os.environ.get("PJRT_DEVICE", "CPU") == "CPU":
+        devices = int(os.environ.get("CPU_NUM_DEVICES", "1"))
+        cpu.prepare(devices)
+        threads = _thread_runner()
+        if threads is not None:
+            if devices > 1 and cpu.runtime_initialized():
+                # started by an earlier launch in this process (which may launch again), or by the
+                # user: either way it must have the recipe, or the devices deadlock
+                cpu.check(devices)
+            threads(_call_with_ordinal, (fn,))
+            return
     import torch_xla.distributed.xla_multiprocessing as xmp
 
-    if os.environ.get("PJRT_DEVICE", "CPU") == "CPU":
-        cpu.prepare(int(os.environ.get("CPU_NUM_DEVICES", "1")))
     xmp.spawn(_call_with_ordinal, args=(fn,))
+
+
+def _thread_runner() -> Callable | None:
+    """What ``xmp.spawn``'s CPU process runs, here: torch_xla 2.9's thread-per-device runner with the
+    multi-process initializer, which also sets the replication devices (``xr.world_size()`` is 1
+    without it; ``pjrt.spawn_threads`` skips it). None where a release lacks either, and then
+    ``xmp.spawn`` starts its process."""
+    try:
+        from torch_xla._internal import pjrt
+    except ImportError:
+        return None
+    run, init, wrap = (
+        getattr(pjrt, n, None) for n in ("_run_thread_per_device", "initialize_multiprocess", "_SpawnFn")
+    )
+    if run is None or init is None or wrap is None:
+        return None
+    return lambda fn, args: run(local_rank=0, local_world_size=1, fn=wrap(fn, *args), initializer_fn=init)
 
 
 def without_ordinal(fn: Callable[[], None], ordinal: int) -> None:

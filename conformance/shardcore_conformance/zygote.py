@@ -1,0 +1,390 @@
+"""Start Python programs as forks of a process that already imported their heavy modules.
+
+On a small CPU, starting a program that imports torch, torch_xla and Transformers costs 6 to 8 s
+of CPU before its first line runs; a test session starts dozens. A zygote is a server process that
+imports them once, in the environment its programs will run in, and forks one child per program.
+The child is what ``python script args`` would have been: its own session (so a process-group
+kill reaches it and what it starts), ``sys.argv``, ``sys.path[0]`` the script's directory,
+``__main__`` the script (so ``multiprocessing``'s spawn, e.g. in ``xmp.spawn``, re-imports it),
+the caller's working directory and standard streams, fresh random seeds, and the exit status of
+a script (atexit handlers run, streams flushed).
+
+torch, torch_xla and Transformers read variables at import (Transformers' ``USE_TORCH_XLA``,
+torch_xla's ``XLA_FLAGS`` set-up, ``ATEN_CPU_CAPABILITY``), so a zygote serves only programs of its
+own environment: :class:`Zygotes` keeps one per environment, where only variables that no import
+reads may differ (:func:`import_env`); the child then runs in exactly the environment asked for.
+The runtime itself (XLA's PJRT client, a process group) starts in the child, never in the zygote:
+forking a started runtime is unsafe.
+
+A zygote serves one client process and exits when that process is gone.
+"""
+
+from __future__ import annotations
+
+import array
+import atexit
+import importlib
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+#: what a program of the test suite or the conformance runner imports before its first line
+PRELOAD = (
+    "torch",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.gpt2.modeling_gpt2",
+    "shardcore",
+    "shardcore_conformance.train",
+)
+#: imported besides where the environment asks for torch_xla (PJRT_DEVICE set)
+PRELOAD_XLA = (
+    "torch_xla",
+    "torch_xla.core.xla_model",
+    "torch_xla.runtime",
+    "torch_xla.distributed.fsdp",
+    "torch_xla.distributed.spmd",
+    "torch_xla.distributed.xla_multiprocessing",
+    "shardcore_xla",
+)
+_HEADER = struct.Struct("!I")
+
+
+#: read when a run starts, never at import: pytest's per-test variable and torchrun's rank variables
+#: (``init_process_group`` reads them)
+RUNTIME_ONLY = frozenset(
+    {"PYTEST_CURRENT_TEST", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+)
+
+
+def import_env(env: dict[str, str]) -> dict[str, str]:
+    """What of ``env`` an import may read: all but :data:`RUNTIME_ONLY` and shardcore's own
+    ``SHARDCORE_*`` variables (read when a run starts)."""
+    return {k: v for k, v in env.items() if k not in RUNTIME_ONLY and not k.startswith("SHARDCORE_")}
+
+
+class ZygoteProcess:
+    """A forked program, with the part of ``subprocess.Popen``'s interface the test harness uses."""
+
+    def __init__(self, pid: int, conn: socket.socket, args: list[str]):
+        self.pid = pid
+        self.args = args
+        self.returncode: int | None = None
+        self._conn = conn
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            ready, _, _ = select.select([self._conn], [], [], 0)
+            if ready:
+                self._read_status()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            ready, _, _ = select.select([self._conn], [], [], timeout)
+            if not ready:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self._read_status()
+        return self.returncode
+
+    def _read_status(self) -> None:
+        data = b""
+        while len(data) < 4:
+            chunk = self._conn.recv(4 - len(data))
+            if not chunk:  # the zygote died: the child's fate is unknown; report it as killed
+                self.returncode = -signal.SIGKILL
+                self._conn.close()
+                return
+            data += chunk
+        self.returncode = struct.unpack("!i", data)[0]
+        self._conn.close()
+
+    def kill(self) -> None:
+        # the child itself too: a kill right after the fork may come before its setsid()
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(self.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+class Zygote:
+    """One zygote process serving programs in ``env``."""
+
+    def __init__(self, env: dict[str, str], preload: tuple[str, ...]):
+        self.env = dict(env)
+        self._dir = tempfile.mkdtemp(prefix="shardcore-zygote-")
+        self.address = str(Path(self._dir) / "socket")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "shardcore_conformance.zygote", self.address, str(os.getpid()), *preload],
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def start(
+        self,
+        argv: list,
+        *,
+        env: dict[str, str],
+        cwd: str | os.PathLike,
+        stdout: int,
+        stderr: int,
+        path: list[str] | None = None,
+    ) -> ZygoteProcess:
+        """Fork ``python argv[0] argv[1:]`` in ``env`` (whose :func:`import_env` must be this
+        zygote's), with these file descriptors as its stdout and stderr (stdin is /dev/null).
+        ``path`` replaces ``sys.path``, as ``multiprocessing``'s spawn gives a child its parent's;
+        by default ``sys.path[0]`` is the script's directory, as for ``python script``."""
+        if import_env(env) != import_env(self.env):
+            raise ValueError("a zygote forks only programs whose imports see its own environment")
+        conn = self._connect()
+        request = {"argv": [str(a) for a in argv], "cwd": str(cwd), "env": env, "path": path}
+        request = json.dumps(request).encode()
+        fds = array.array("i", [stdout, stderr])
+        conn.sendmsg([_HEADER.pack(len(request)) + request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+        pid = _recv_exact(conn, 4)
+        if pid is None:
+            conn.close()
+            raise RuntimeError(f"the zygote for {argv[0]} died before forking it (exit status {self.proc.poll()})")
+        return ZygoteProcess(struct.unpack("!i", pid)[0], conn, [sys.executable, *map(str, argv)])
+
+    def _connect(self) -> socket.socket:
+        # the zygote imports for several seconds before it listens
+        deadline = time.monotonic() + 300
+        while True:
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                conn.connect(self.address)
+                return conn
+            except (FileNotFoundError, ConnectionRefusedError):
+                conn.close()
+                if not self.alive():
+                    raise RuntimeError(
+                        f"the zygote exited with status {self.proc.returncode} while importing"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the zygote did not listen within 300 s") from None
+                time.sleep(0.05)
+
+    def close(self) -> None:
+        if self.alive():
+            self.proc.kill()
+        self.proc.wait()
+        for p in (Path(self.address), Path(self._dir)):
+            try:
+                p.unlink() if p.is_socket() else p.rmdir()
+            except OSError:
+                pass
+
+
+class Zygotes:
+    """One zygote per environment, started on first use (and again if one died); the least recently
+    used is closed beyond ``keep`` (each holds some 600 MB)."""
+
+    def __init__(self, preload: tuple[str, ...] = PRELOAD, keep: int = 4):
+        self.preload = preload
+        self.keep = keep
+        self._zygotes: dict[tuple, Zygote] = {}
+        self._lock = threading.Lock()
+
+    def get(self, env: dict[str, str]) -> Zygote:
+        key = tuple(sorted(import_env(env).items()))
+        with self._lock:
+            z = self._zygotes.pop(key, None)
+            if z is None or not z.alive():
+                extra = PRELOAD_XLA if env.get("PJRT_DEVICE") else ()
+                z = Zygote(env, self.preload + extra)
+            self._zygotes[key] = z  # most recent last
+            while len(self._zygotes) > self.keep:
+                self._zygotes.pop(next(iter(self._zygotes))).close()
+            return z
+
+    def close(self) -> None:
+        with self._lock:
+            for z in self._zygotes.values():
+                z.close()
+            self._zygotes.clear()
+
+
+_shared: Zygotes | None = None
+
+
+def shared() -> Zygotes:
+    """This process's zygotes, closed at its exit (the test harness and the conformance runner)."""
+    global _shared
+    if _shared is None:
+        _shared = Zygotes()
+        atexit.register(_shared.close)
+    return _shared
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
+    data = b""
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+# ------------------------------------------------------------------------------------- server side
+
+
+def _serve(address: str, client_pid: int, preload: list[str]) -> None:
+    for name in preload:
+        importlib.import_module(name)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address + ".tmp")
+    listener.listen(16)
+    os.rename(address + ".tmp", address)  # clients connect only once it listens
+    waiting: dict[int, socket.socket] = {}  # child pid -> its client's connection
+    while True:
+        ready, _, _ = select.select([listener], [], [], 0.2)
+        if ready:
+            conn, _ = listener.accept()
+            pid = _fork_child(conn, listener)
+            conn.sendall(struct.pack("!i", pid))
+            waiting[pid] = conn
+        _reap(waiting)
+        if not _alive(client_pid):
+            for pid in waiting:  # the client is gone, and no one will collect these
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            return
+
+
+def _reap(waiting: dict[int, socket.socket]) -> None:
+    while waiting:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = waiting.pop(pid, None)
+        if conn is not None:
+            try:
+                conn.sendall(struct.pack("!i", os.waitstatus_to_exitcode(status)))
+            except OSError:
+                pass
+            conn.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _fork_child(conn: socket.socket, listener: socket.socket) -> int:
+    # the descriptors travel with the message's first bytes: a plain recv there would drop them
+    msg, ancdata, _, _ = conn.recvmsg(1 << 16, socket.CMSG_LEN(2 * 4))
+    fds = array.array("i")
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
+    while len(msg) < _HEADER.size or len(msg) < _HEADER.size + _HEADER.unpack(msg[: _HEADER.size])[0]:
+        chunk = conn.recv(1 << 16)
+        if not chunk:
+            raise RuntimeError("a client hung up in the middle of its request")
+        msg += chunk
+    request = json.loads(msg[_HEADER.size :])
+    pid = os.fork()
+    if pid:
+        for fd in fds:
+            os.close(fd)
+        return pid
+    code = 1
+    try:
+        listener.close()
+        conn.close()
+        os.setsid()
+        code = _run_child(request, list(fds))
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def _run_child(request: dict, fds: list[int]) -> int:
+    import atexit
+    import random
+    import runpy
+
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(fds[0], 1)
+    os.dup2(fds[1], 2)
+    for fd in (devnull, *fds):
+        os.close(fd)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    random.seed()  # a fresh interpreter would seed from the OS; a fork shares the zygote's state
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    script = request["argv"][0]
+    # Only what no import reads comes from the request: the rest is the zygote's environment as its
+    # imports left it, which is what the same imports leave in a fresh interpreter (torch_xla adds
+    # --xla_cpu_enable_fast_math=false to XLA_FLAGS at import; dropping it changes XLA:CPU's numerics).
+    for k in set(os.environ) - set(import_env(dict(os.environ))):
+        del os.environ[k]
+    wanted = request["env"]
+    os.environ.update({k: v for k, v in wanted.items() if k not in import_env(wanted)})
+    os.chdir(request["cwd"])
+    sys.argv = list(request["argv"])
+    if request.get("path") is not None:
+        sys.path[:] = request["path"]
+    else:
+        sys.path[0] = os.path.dirname(os.path.abspath(script))
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code is None:
+            code = 0
+        elif isinstance(e.code, int):
+            code = e.code
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    # what the interpreter does at exit; os._exit follows, which would skip it
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    return code
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1], int(sys.argv[2]), sys.argv[3:])

@@ -1,0 +1,124 @@
+"""Programs forked from a zygote (shardcore_conformance/zygote.py) behave as fresh interpreters do:
+the test harness runs XLA programs that way, and the conformance runner its XLA workers."""
+
+import json
+import sys
+
+import pytest
+import torch
+
+import harness
+
+pytestmark = pytest.mark.multiprocess
+
+PROGRAM = """
+import atexit, json, multiprocessing as mp, os, random, sys
+
+def child(q):
+    q.put(os.getpid())
+
+if __name__ == "__main__":
+    atexit.register(lambda: print("atexit ran", flush=True))
+    print("to stderr", file=sys.stderr)
+    what = sys.argv[1]
+    if what == "spawn":  # multiprocessing's spawn re-imports __main__ from this file
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        p = ctx.Process(target=child, args=(q,))
+        p.start()
+        print(json.dumps({"child": q.get(timeout=60)}))
+        p.join()
+        sys.exit(p.exitcode)
+    if what == "raise":
+        raise ValueError("boom")
+    if what == "rank":  # as torchrun's ranks: rank 1 fails, rank 0 would wait for it forever
+        print(f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}", flush=True)
+        if os.environ["RANK"] == "1":
+            sys.exit(3)
+        what = "sleep"
+    if what == "sleep":
+        import time
+        time.sleep(600)
+    print(json.dumps({
+        "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "name": __name__,
+        "file": __file__, "random": random.random(), "env": os.environ.get("ZYGOTE_TEST"),
+        "run": os.environ.get("SHARDCORE_ZYGOTE_RUN"), "zygote": os.getppid(),
+        "sid": os.getsid(0) == os.getpid(), "stdin": sys.stdin.read(), "xla_flags": os.environ["XLA_FLAGS"],
+    }))
+    sys.exit(int(sys.argv[2]))
+"""
+
+
+@pytest.fixture(scope="module")
+def program(tmp_path_factory):
+    path = tmp_path_factory.mktemp("zygote") / "program.py"
+    path.write_text(PROGRAM)
+    return path
+
+
+def env(**extra):
+    return harness.xla_env(1, ZYGOTE_TEST="yes", **extra)
+
+
+def test_a_forked_program_sees_what_a_fresh_interpreter_would(program, tmp_path):
+    cmd = [sys.executable, program, "report", "3"]
+    assert harness.forked(cmd, env())
+    runs = [harness.run(cmd, env=env(SHARDCORE_ZYGOTE_RUN=str(i)), cwd=tmp_path, timeout=120) for i in range(2)]
+    got = [json.loads(r.stdout.strip().splitlines()[0]) for r in runs]
+    for r, g in zip(runs, got):
+        assert r.returncode == 3, harness.tail(r.stdout, r.stderr)
+        assert r.stderr.strip() == "to stderr" and r.stdout.strip().endswith("atexit ran"), r
+        assert g["argv"] == [str(program), "report", "3"] and g["name"] == "__main__", g
+        assert g["cwd"] == str(tmp_path) and g["path0"] == str(program.parent) and g["file"] == str(program), g
+        assert g["env"] == "yes" and g["sid"] and g["stdin"] == "", g
+    assert got[0]["random"] != got[1]["random"]  # each fork seeds as a new interpreter does
+    # one zygote served both (SHARDCORE_* is read by no import), and each ran in its own environment
+    assert got[0]["zygote"] == got[1]["zygote"] and [g["run"] for g in got] == ["0", "1"], got
+    # what torch_xla's import adds to the environment stays, as in a fresh interpreter that imported it
+    # (without it XLA:CPU compiles with fast math)
+    for g in got:
+        assert "--xla_cpu_enable_fast_math=false" in g["xla_flags"].split(), g
+        assert set(env()["XLA_FLAGS"].split()) <= set(g["xla_flags"].split()), g
+
+
+def test_a_forked_program_that_raises_exits_1_with_its_traceback(program):
+    r = harness.run([sys.executable, program, "raise"], env=env(), timeout=120)
+    assert r.returncode == 1 and "ValueError: boom" in r.stderr and "atexit ran" in r.stdout, r
+
+
+def test_a_forked_program_can_spawn_processes(program):
+    r = harness.run([sys.executable, program, "spawn"], env=env(), timeout=120)
+    assert r.returncode == 0 and json.loads(r.stdout.splitlines()[0])["child"] > 0, harness.tail(r.stdout, r.stderr)
+
+
+def test_a_forked_program_past_its_deadline_is_killed(program):
+    with pytest.raises(pytest.fail.Exception, match="did not finish within 3s"):
+        harness.run([sys.executable, program, "sleep"], env=env(), timeout=3)
+
+
+@pytest.mark.xla
+def test_xla_workers_forked_from_a_zygote_train_as_spawned_ones_do():
+    """The conformance runner's XLA workers on CPU devices are a zygote's forks; a spawned (fresh)
+    worker trains the same cases to the same bits."""
+    from shardcore_conformance import Case
+    from shardcore_conformance.launch import run_cases, worker_start_method
+
+    assert worker_start_method("xla", False, {"PJRT_DEVICE": "CPU"}) == "zygote"
+    assert worker_start_method("xla", True, {"PJRT_DEVICE": "TPU"}) == "spawn"
+    cases = [Case("xla-fsdp-mlp", "mlp", {"xla": True})]
+    forked = run_cases(cases, "xla", 2, 300)
+    fresh = run_cases(cases, "xla", 2, 300, start_method="spawn")
+    for c in cases:
+        assert "error" not in forked[c.name] and "error" not in fresh[c.name], (forked[c.name], fresh[c.name])
+        assert forked[c.name]["losses"] == fresh[c.name]["losses"], c.name
+        for k, v in fresh[c.name]["params"].items():
+            assert torch.equal(forked[c.name]["params"][k], v), (c.name, k)
+
+
+def test_ranks_are_killed_once_one_fails_as_under_torchrun(program):
+    """harness.ranks: torchrun's variables per rank, one output stream, the survivors killed as
+    soon as one rank fails (rank 0 sleeps 600 s: waited for, it would overrun the deadline and fail
+    the test), and its exit status."""
+    r = harness.ranks(2, program, "rank", timeout=120)
+    assert r.returncode == 3, harness.tail(r.stdout)
+    assert "rank 0 of 2" in r.stdout and "rank 1 of 2" in r.stdout, r.stdout

@@ -103,7 +103,7 @@ def launch(
 
     With torchrun or ``accelerate launch`` the launcher already started one process per rank, so
     this simply calls ``fn``. XLA FSDP runs one rank per device from a single process: ``fn`` runs
-    on every local device (``torch_xla``'s ``xmp.spawn``; on CPU, ``CPU_NUM_DEVICES`` of them), so
+    on every local device (``torch_xla``'s ``xmp.spawn``; on CPU, ``CPU_NUM_DEVICES`` threads of this process), so
     the same script runs unchanged with ``python script.py``. XLA SPMD has one controller: ``fn``
     runs once. Like ``torch_xla.launch``, ``fn`` and ``args`` must be picklable (a module-level
     function), and the script must call this under ``if __name__ == "__main__":``.

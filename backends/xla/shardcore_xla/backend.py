@@ -65,5 +65,5 @@ class XLABackend(ConfigResolved, ConfigValidation, Launcher, DeviceLaunch):
         return self.resolve(config).launch_spec(config, world_size)
 
     def run_on_devices(self, fn: Callable[[int], None]) -> None:
-        """Run ``fn(ordinal)`` once per device (``xmp.spawn``), as XLA FSDP's launch spec asks."""
+        """Run ``fn(ordinal)`` once per device (threads of this process on CPU, ``xmp.spawn`` elsewhere), as XLA FSDP's launch spec asks."""
         launching.run_on_devices(fn)

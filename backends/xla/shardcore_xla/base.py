@@ -164,5 +164,5 @@ class XlaBackendBase(
 
     # -- launching (used by shardcore-conformance and available to scripts) ----------------------
     def run_on_devices(self, fn: Callable[[int], None]) -> None:
-        """Run ``fn(ordinal)`` once per device (``xmp.spawn``); see launching.py."""
+        """Run ``fn(ordinal)`` once per device (CPU: threads of this process; else ``xmp.spawn``); see launching.py."""
         launching.run_on_devices(fn)

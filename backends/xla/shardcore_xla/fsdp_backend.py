@@ -118,5 +118,5 @@ class XlaFsdpBackend(XlaBackendBase):
         return launching.fsdp_launch_spec(world_size)
 
     def launch(self, fn: Callable[[], None], config: ShardConfig) -> None:
-        """``fn()`` once per local device (``xmp.spawn``)."""
+        """``fn()`` once per local device (launching.run_on_devices)."""
         self.run_on_devices(functools.partial(launching.without_ordinal, fn))

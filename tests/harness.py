@@ -184,26 +184,15 @@ def ranks(nproc: int, script: Path | str, *args: str, env: dict[str, str] | None
     got: dict[str, str] = {}
     reader = threading.Thread(target=lambda: got.update(out=stream.read()), daemon=True)
     reader.start()
-    deadline = time.monotonic() + timeout
-    failed = None
-    while failed is None and time.monotonic() < deadline:
-        codes = [p.poll() for p in procs]
-        failed = next((c for c in codes if c not in (None, 0)), None)
-        if failed is None and all(c == 0 for c in codes):
-            break
-        time.sleep(0.05)
-    else:
-        if failed is None:  # the deadline passed
-            for p in procs:
-                kill_group(p)
-            reader.join(60)
-            pytest.fail(f"{script} on {nproc} ranks did not finish within {timeout:g}s:\n{tail(got.get('out'))}")
+    status = zygote.join_group(procs, timeout)
     for p in procs:
         if p.poll() is None:
             kill_group(p)
     reader.join(60)
+    if status is None:
+        pytest.fail(f"{script} on {nproc} ranks did not finish within {timeout:g}s:\n{tail(got.get('out'))}")
     cmd = [sys.executable, str(script), *map(str, args)]
-    return subprocess.CompletedProcess(cmd, failed or 0, got.get("out", ""), None)
+    return subprocess.CompletedProcess(cmd, status[1], got.get("out", ""), None)
 
 
 def start_ranks(

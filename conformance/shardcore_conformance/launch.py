@@ -122,19 +122,17 @@ class _ForkedWorkers:
         self.processes = [_Forked(p) for p in procs]
 
     def join(self, timeout: float | None = None) -> bool:
-        deadline = time.monotonic() + (timeout or 0)
-        while True:
-            codes = [p.proc.poll() for p in self.processes]
-            for i, code in enumerate(codes):
-                if code not in (None, 0):
-                    raise ProcessExitedException(
-                        f"process {i} terminated with exit code {code}", i, self.processes[i].pid, code
-                    )
-            if all(c == 0 for c in codes):
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.05)
+        from .zygote import join_group
+
+        status = join_group([p.proc for p in self.processes], timeout or 0)
+        if status is None:
+            return False
+        i, code = status
+        if code:
+            raise ProcessExitedException(
+                f"process {i} terminated with exit code {code}", i, self.processes[i].pid, code
+            )
+        return True
 
 
 class _Forked:

@@ -59,6 +59,7 @@ PRELOAD_XLA = (
     "shardcore_xla",
 )
 _HEADER = struct.Struct("!I")
+_INT = struct.Struct("!i")  # a pid or an exit status
 
 
 #: read when a run starts, never at import: pytest's per-test variable and torchrun's rank variables
@@ -99,15 +100,9 @@ class ZygoteProcess:
         return self.returncode
 
     def _read_status(self) -> None:
-        data = b""
-        while len(data) < 4:
-            chunk = self._conn.recv(4 - len(data))
-            if not chunk:  # the zygote died: the child's fate is unknown; report it as killed
-                self.returncode = -signal.SIGKILL
-                self._conn.close()
-                return
-            data += chunk
-        self.returncode = struct.unpack("!i", data)[0]
+        data = _recv_exact(self._conn, _INT.size)
+        # None: the zygote died, and the child's fate is unknown; reported as killed
+        self.returncode = -signal.SIGKILL if data is None else _INT.unpack(data)[0]
         self._conn.close()
 
     def kill(self) -> None:
@@ -157,11 +152,11 @@ class Zygote:
         request = json.dumps(request).encode()
         fds = array.array("i", [stdout, stderr])
         conn.sendmsg([_HEADER.pack(len(request)) + request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
-        pid = _recv_exact(conn, 4)
+        pid = _recv_exact(conn, _INT.size)
         if pid is None:
             conn.close()
             raise RuntimeError(f"the zygote for {argv[0]} died before forking it (exit status {self.proc.poll()})")
-        return ZygoteProcess(struct.unpack("!i", pid)[0], conn, [sys.executable, *map(str, argv)])
+        return ZygoteProcess(_INT.unpack(pid)[0], conn, [sys.executable, *map(str, argv)])
 
     def _connect(self) -> socket.socket:
         # the zygote imports for several seconds before it listens
@@ -221,6 +216,22 @@ class Zygotes:
             self._zygotes.clear()
 
 
+def join_group(procs: list[ZygoteProcess], timeout: float) -> tuple[int, int] | None:
+    """Wait up to ``timeout`` seconds for a group of forks (ranks) to end: ``(index, status)`` of the
+    first that failed as soon as one has, ``(-1, 0)`` once all exited 0, None if still running."""
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = next(((i, c) for i, c in enumerate(codes) if c not in (None, 0)), None)
+        if failed is not None:
+            return failed
+        if all(c == 0 for c in codes):
+            return -1, 0
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
+
+
 _shared: Zygotes | None = None
 
 
@@ -259,7 +270,7 @@ def _serve(address: str, client_pid: int, preload: list[str]) -> None:
         if ready:
             conn, _ = listener.accept()
             pid = _fork_child(conn, listener)
-            conn.sendall(struct.pack("!i", pid))
+            conn.sendall(_INT.pack(pid))
             waiting[pid] = conn
         _reap(waiting)
         if not _alive(client_pid):
@@ -282,7 +293,7 @@ def _reap(waiting: dict[int, socket.socket]) -> None:
         conn = waiting.pop(pid, None)
         if conn is not None:
             try:
-                conn.sendall(struct.pack("!i", os.waitstatus_to_exitcode(status)))
+                conn.sendall(_INT.pack(os.waitstatus_to_exitcode(status)))
             except OSError:
                 pass
             conn.close()

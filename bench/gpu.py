@@ -4,7 +4,9 @@ One prepared script: it runs ``bench/overhead.py``'s FSDP2 comparison (shardcore
 ``fully_shard``, NCCL, as many ranks as GPUs up to 2), ``bench/memory.py``'s per-rank byte count
 (world sizes up to the number of GPUs) and a throughput figure: a ~0.5B-parameter Llama sharded by
 ``shardcore.shard`` with bf16 mixed precision, tokens/s and model FLOP utilisation (MFU: 6 x params +
-attention FLOPs per token, over the GPUs' dense bf16 peak). Without CUDA it says so and exits 0.
+attention FLOPs per token, over the GPUs' dense bf16 peak), eager and with ``torch_compile`` (each
+decoder layer compiled in place, inductor; the ratio compiled / eager tokens/s has the goal >= 1.10).
+Without CUDA it says so and exits 0.
 
     python bench/gpu.py --out results/gpu.json       # ~3-5 minutes on one H100/H200
 """
@@ -42,14 +44,15 @@ def peak_tflops(name: str) -> float | None:
     return None
 
 
-def throughput_rank(rank: int, world_size: int, size: str, steps: int, warmup: int) -> dict:
+def throughput_rank(rank: int, world_size: int, size: str, steps: int, warmup: int, compiled: bool = False) -> dict:
     import torch.distributed as dist
 
     import shardcore
 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    model = shardcore.shard(build_llama(size).to(device), THROUGHPUT_CONFIG)
+    config = {**THROUGHPUT_CONFIG, "torch_compile": True} if compiled else THROUGHPUT_CONFIG
+    model = shardcore.shard(build_llama(size).to(device), config)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     times = []
     for i in range(warmup + steps):
@@ -67,10 +70,10 @@ def throughput_rank(rank: int, world_size: int, size: str, steps: int, warmup: i
     return {"step_s": times, "max_memory_allocated": torch.cuda.max_memory_allocated(device)}
 
 
-def run_throughput(size: str, steps: int, warmup: int, world_size: int) -> dict:
+def run_throughput(size: str, steps: int, warmup: int, world_size: int, compiled: bool = False) -> dict:
     s = LLAMA_SIZES[size]
     n_params = sum(p.numel() for p in build_llama(size).parameters())
-    per_rank = run_ranks(throughput_rank, world_size, (size, steps, warmup), timeout_s=900)
+    per_rank = run_ranks(throughput_rank, world_size, (size, steps, warmup, compiled), timeout_s=900)
     step = statistics.median(per_rank[0]["step_s"])
     tokens = s["batch"] * s["seq"] * world_size
     # per token: 6N for the matmuls of forward+backward, plus attention scores/values 12 * L * d * seq
@@ -79,7 +82,7 @@ def run_throughput(size: str, steps: int, warmup: int, world_size: int) -> dict:
     peak = peak_tflops(torch.cuda.get_device_name(0))
     return {
         "model": {"size": size, **s, "params": n_params},
-        "config": THROUGHPUT_CONFIG,
+        "config": {**THROUGHPUT_CONFIG, "torch_compile": True} if compiled else THROUGHPUT_CONFIG,
         "world_size": world_size,
         "step_s": summary(per_rank[0]["step_s"]),
         "tokens_per_s": tokens / step,
@@ -121,6 +124,15 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"throughput: {t['model']['params'] / 1e6:.0f}M-param Llama, bf16, {ngpu} GPU(s): "
         f"{t['tokens_per_s']:,.0f} tokens/s, {t['model_tflops_per_s']:.1f} TFLOP/s, MFU {mfu}",
+        flush=True,
+    )
+    # torch_compile: each decoder layer compiled in place (inductor); the first steps compile
+    out["throughput_compiled"] = run_throughput(args.size, args.steps, 5, ngpu, compiled=True)
+    c = out["throughput_compiled"]
+    out["compiled_over_eager_tokens_per_s"] = c["tokens_per_s"] / t["tokens_per_s"]
+    print(
+        f"throughput with torch_compile: {c['tokens_per_s']:,.0f} tokens/s, compiled / eager "
+        f"{out['compiled_over_eager_tokens_per_s']:.2f}x (goal >= 1.10)",
         flush=True,
     )
     path = write_result("gpu", out, args.out)

@@ -50,6 +50,9 @@ class Backend(Protocol):
     install_hint: str
     #: ShardConfig fields this backend honours when they differ from their defaults
     supported_keys: frozenset[str]
+    #: optional (read with ``getattr``): key -> why this backend refuses it, quoted in the
+    #: UnsupportedKeyError when a config sets it
+    # unsupported_reasons: Mapping[str, str]
 
     def is_available(self) -> tuple[bool, str]:
         """Whether this backend can run here, and why not. Must be cheap and must not raise."""

@@ -42,10 +42,13 @@ def check_supported_keys(config: ShardConfig, backend: Any) -> None:
     unsupported = [k for k in config.non_default_keys() if k not in backend.supported_keys]
     if unsupported:
         key = unsupported[0]
+        # a backend may say why it refuses a key (Backend.unsupported_reasons)
+        why = getattr(backend, "unsupported_reasons", {}).get(key)
         raise UnsupportedKeyError(
             key,
             f"{getattr(config, key)!r} is not supported by the {backend.name!r} backend (unsupported "
-            f"here: {', '.join(unsupported)}). Remove the key or pick a backend that supports it.",
+            f"here: {', '.join(unsupported)}). {why + ' ' if why else ''}Remove the key or pick a backend that "
+            "supports it.",
         )
 
 

@@ -96,3 +96,29 @@ class StallsBackend(FSDP2Backend):
 
         time.sleep(3600)
         return super().local_batch(batch)
+
+
+class WholeModelUnitBackend(FSDP2Backend):
+    """FSDP2 that shards the whole model as one unit whatever the wrap plan says. The numbers are
+    right (every parameter is gathered for the whole step); the communication is one all-gather per
+    micro-batch instead of one per unit, and the memory of a fully gathered model."""
+
+    name = "broken-whole-model-unit"
+
+    def apply(self, model, plan, config):
+        import dataclasses
+
+        return super().apply(model, dataclasses.replace(plan, units=()), config)
+
+
+class NoSyncStillReducesBackend(FSDP2Backend):
+    """FSDP2 whose ``no_sync`` does nothing: every micro-batch's gradients are reduce-scattered and
+    summed in the shards. The numbers are right; the gradient communication is multiplied by the
+    number of micro-batches."""
+
+    name = "broken-no-sync-reduces"
+
+    def no_sync(self, model):
+        import contextlib
+
+        return contextlib.nullcontext()

@@ -55,6 +55,15 @@ def test_fsdp2_matches_single_device_on_every_case(fsdp2_matrix_run):
     # the comparison compared something: every case trained and moved
     for r in doc["cases"]:
         assert r["ok"] and len(r["sharded_losses"]) == 5 and r["sharded_losses"][0] != r["sharded_losses"][-1], r
+        # communication is checked in every FSDP2 case, and gradients were reduced
+        assert r["comm_checked"] and r["comm"]["reduce_scatter"]["count"] + r["comm"]["all_reduce"]["count"], r["case"]
+        compiled = r["config"].get("torch_compile", False)
+        assert (
+            (r["compiled_graphs"][0] > 0 and not any(r["compiled_graphs"][1:]))
+            if compiled
+            else not any(r["compiled_graphs"])
+        ), (r["case"], r["compiled_graphs"])
+    assert "## Communication" in (report / "report.md").read_text()
 
 
 @pytest.mark.multiprocess
@@ -110,6 +119,17 @@ def test_cli_runs_cases_and_writes_the_report(fsdp2_matrix_run):
         ("broken_backends:SkipsReplicaAllReduceBackend", "hsdp2x1-mlp", "loss differs at step 1"),
         # every rank built without weights reads rank 0's rows: the model starts from wrong weights
         ("broken_backends:SlicesFromRowZeroBackend", "llama-empty_weights", "loss differs at step 0"),
+        # numbers right, communication wrong: only the communication check may fail these two
+        (
+            "broken_backends:WholeModelUnitBackend",
+            "llama-transformer-reshard1-ac0",
+            "communication differs at step 0 on rank 0: 1 all_gather calls, expected 5",
+        ),
+        (
+            "broken_backends:NoSyncStillReducesBackend",
+            "grad_accum-llama",
+            "communication differs at step 0 on rank 0: 6 reduce_scatter calls, expected 3",
+        ),
     ],
 )
 def test_cli_catches_broken_backends(tmp_path, backend, case, expected):
@@ -123,12 +143,17 @@ def test_cli_catches_broken_backends(tmp_path, backend, case, expected):
     doc = json.loads((tmp_path / "report.json").read_text())
     assert not doc["ok"] and any(expected in r for r in doc["cases"][0]["reasons"])
     assert "## Failures" in (tmp_path / "report.md").read_text()
+    if expected.startswith("communication"):
+        (row,) = doc["cases"]
+        assert all(r.startswith("communication differs") for r in row["reasons"]), row["reasons"]
+        assert row["max_param_diff"] <= row["tolerance"]["param_atol"]
 
 
 @pytest.mark.multiprocess
 def test_hsdp_on_four_ranks_matches_and_a_missing_replica_all_reduce_is_caught(tmp_path):
     """HSDP 2 replicas x 2 shards on 4 gloo ranks: every hsdp case (MLP, Llama, GPT-2, reshard off,
-    accumulation, clipping, SHARDED checkpoint, 4 x 1 replication) matches the single-device run;
+    accumulation, clipping, SHARDED checkpoint, compiled units, 4 x 1 replication) matches the
+    single-device run and communicates as predicted;
     the same 2x2 cases fail on a backend that skips the replica all-reduce."""
     out = _run(
         ["--backend", "fsdp2", "--world-size", "4", "--cases", "hsdp*", "--report", str(tmp_path / "ok"), "--no-plots"]
@@ -137,6 +162,7 @@ def test_hsdp_on_four_ranks_matches_and_a_missing_replica_all_reduce_is_caught(t
     doc = json.loads((tmp_path / "ok" / "report.json").read_text())
     names = {c["case"] for c in doc["cases"]}
     assert {"hsdp2x2-llama", "hsdp2x2-grad_accum-llama", "hsdp2x2-clip-llama", "hsdp4x1-llama"} <= names, names
+    assert "hsdp2x2-compile-llama" in names and all(c["comm_checked"] for c in doc["cases"])
     assert "hsdp2x2-llama-sharded_state_dict" in names and doc["ok"]
     bad = _run(
         ["--backend", "broken_backends:SkipsReplicaAllReduceBackend", "--world-size", "4"]

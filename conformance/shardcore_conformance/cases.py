@@ -255,6 +255,8 @@ def _matrix(backend: Any, world_size: int = 2, dtype: str | None = None) -> list
         _clipping_cases(add, keys)
     if {"dp_replicate_size", "dp_shard_size"} <= keys and world_size >= 2:
         _hsdp_cases(add, keys, world_size, _clips(backend))
+    if "torch_compile" in keys:
+        _compile_cases(add, keys, world_size, _clips(backend))
     add("lr_schedule-mlp", "mlp", {}, lr_schedule="warmup_cosine", family="lr_schedule")
     add("lr_schedule-gpt2", "gpt2", {}, lr_schedule="warmup_cosine", family="lr_schedule")
 
@@ -288,6 +290,16 @@ def _matrix(backend: Any, world_size: int = 2, dtype: str | None = None) -> list
                 {"mixed_precision": "bf16"},
             )
         )
+        if "torch_compile" in keys:
+            out.append(
+                _low_precision(
+                    Case(
+                        "compile-llama-mp-bf16", "llama", {**base, **COMPILE_QUICK}, global_batch=gb, family="compile"
+                    ),
+                    {"mixed_precision": "bf16"},
+                    "compile-llama-mp-bf16",
+                )
+            )
     if knob is not None and _clips(backend):
         out.append(
             _low_precision(
@@ -338,6 +350,52 @@ def _hsdp_cases(add: Any, keys: frozenset[str], world_size: int, clips: bool) ->
             add(f"{tag}-gpt2", "gpt2", mesh, family="hsdp")
             if clips:  # the norm is over the shards of one replica, not over every rank
                 add(f"{tag}-clip-llama", "llama", mesh, max_grad_norm=CLIP_NORM, family="hsdp")
+
+
+#: the compile cases that cross ``torch_compile`` with another knob use the ``aot_eager`` backend:
+#: dynamo's capture and AOT autograd's joint graph around the sharding hooks, where the interplay
+#: with sharding lives, without inductor's C++ code generation (tens of seconds per graph on a
+#: small CPU); inductor, the default, runs in the cases without a backend key
+COMPILE_QUICK = {"torch_compile": True, "torch_compile_backend": "aot_eager"}
+
+
+def _compile_cases(add: Any, keys: frozenset[str], world_size: int, clips: bool) -> None:
+    """``torch_compile``: units compiled in place before sharding, with the default backend
+    (inductor) on Llama and GPT-2 and under activation checkpointing, and with :data:`COMPILE_QUICK`
+    under every other knob the backend has. The suite also checks that the units were compiled in
+    the first step and never again (no recompilation), and each step's collectives."""
+    on = {"torch_compile": True}
+    for model in ("llama", "gpt2"):
+        add(f"compile-{model}", model, on, family="compile")
+    if "activation_checkpointing" in keys:
+        add("compile-llama-ac1", "llama", {**on, "activation_checkpointing": True}, family="compile")
+    if "torch_compile_mode" in keys:
+        add("compile-llama-mode", "llama", {**on, "torch_compile_mode": "default"}, family="compile")
+    quick = [
+        ("reshard_after_forward", "reshard0", {"reshard_after_forward": False}),
+        ("torch_compile_fullgraph", "fullgraph", {"torch_compile_fullgraph": True}),
+        # (dynamic: true traces symbolic shapes through the Hugging Face code: 40 s here, a case alone)
+        ("torch_compile_dynamic", "static", {"torch_compile_dynamic": False}),
+        ("torch_compile_regional", "whole", {"torch_compile_regional": False}),
+        ("cpu_offload", "cpu_offload", {"cpu_offload": True}),
+        ("state_dict_type", "sharded_state_dict", {"state_dict_type": "SHARDED_STATE_DICT"}),
+    ]
+    for key, tag, cfg in quick:
+        if key in keys:
+            add(f"compile-llama-{tag}", "llama", {**COMPILE_QUICK, **cfg}, family="compile")
+    if "auto_wrap_policy" in keys:  # no unit but the root: the root is compiled
+        add("compile-mlp-nowrap", "mlp", {**COMPILE_QUICK, "auto_wrap_policy": "NO_WRAP"}, family="compile")
+    add("compile-grad_accum-llama", "llama", COMPILE_QUICK, grad_accum=2, family="compile")
+    if clips:
+        add("compile-clip-llama", "llama", COMPILE_QUICK, max_grad_norm=CLIP_NORM, family="compile")
+    if {"dp_replicate_size", "dp_shard_size"} <= keys and world_size >= 2:
+        r = 2
+        add(
+            f"hsdp{r}x{world_size // r}-compile-llama",
+            "llama",
+            {**COMPILE_QUICK, "dp_replicate_size": r, "dp_shard_size": world_size // r},
+            family="compile",
+        )
 
 
 def _clips(backend: Any) -> bool:

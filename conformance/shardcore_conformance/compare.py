@@ -58,6 +58,12 @@ class Verdict:
     checkpoint_param_diff: float = math.nan
     checkpoint_method: str = ""
     tolerance: dict[str, float] = field(default_factory=dict)
+    #: per kind: the expected count and bytes per optimizer step (None: not predicted for this
+    #: backend) and rank 0's observed ones in its first step; ``comm_checked`` whether they were checked
+    comm: dict[str, Any] = field(default_factory=dict)
+    comm_checked: bool = False
+    #: graphs dynamo compiled in each optimizer step of the sharded run
+    compiled_graphs: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -68,9 +74,18 @@ def _fail(v: Verdict, reason: str) -> None:
     v.reasons.append(reason)
 
 
-def compare(case: str, ref: dict[str, Any], got: dict[str, Any], dtype: str = "fp32") -> Verdict:
+def compare(
+    case: str,
+    ref: dict[str, Any],
+    got: dict[str, Any],
+    dtype: str = "fp32",
+    config: dict[str, Any] | None = None,
+    grad_accum: int = 1,
+) -> Verdict:
     """Per-step losses, gradient norms and learning rates; final parameters and buffers (frozen ones
-    exactly); and, where the sharded run reports one, its checkpoint round trip."""
+    exactly); where the sharded run reports one, its checkpoint round trip; and with the case's
+    ``config``, each step's collectives on every rank (:mod:`.comm`) and, under ``torch_compile``,
+    that the units were compiled once, in the first step."""
     tol = TOLERANCES[dtype]
     v = Verdict(case, True, tolerance=asdict(tol))
     for side, r in (("reference", ref), ("sharded", got)):
@@ -145,7 +160,53 @@ def compare(case: str, ref: dict[str, Any], got: dict[str, Any], dtype: str = "f
     ck = got.get("checkpoint")
     if ck is not None:
         _compare_checkpoint(v, tol, ref, ck)
+    if config is not None:
+        _compare_communication(v, ref, got, config, grad_accum)
+        _compare_compilation(v, got, config)
     return v
+
+
+def _compare_communication(
+    v: Verdict, ref: dict[str, Any], got: dict[str, Any], config: dict[str, Any], a: int
+) -> None:
+    from shardcore import parse_config
+
+    from .comm import KINDS, check, expected_fsdp
+
+    comm = got.get("comm")
+    if not comm or not comm["ranks"] or not comm["ranks"][0]:
+        return
+    first = comm["ranks"][0][0]
+    expected = None
+    if comm.get("pattern") == "fsdp" and "units" in ref:
+        expected = expected_fsdp(ref["units"], parse_config(config), comm["world_size"], a)
+        v.comm_checked = True
+        for problem in check(comm["ranks"], expected)[:1]:
+            _fail(v, problem)
+    v.comm = {
+        k: {
+            "count": first[k]["count"],
+            "bytes": first[k]["bytes"],
+            "expected_count": expected[k]["count"] if expected else None,
+            "expected_bytes": expected[k]["bytes"] if expected else None,
+        }
+        for k in KINDS
+    }
+
+
+def _compare_compilation(v: Verdict, got: dict[str, Any], config: dict[str, Any]) -> None:
+    from shardcore import parse_config
+
+    graphs = got.get("compile", {}).get("graphs_per_step", [])
+    v.compiled_graphs = list(graphs)
+    if not parse_config(config).torch_compile or not graphs:
+        return
+    if graphs[0] == 0:
+        _fail(v, "torch_compile is set but dynamo compiled no graph in the first step: the units ran eagerly")
+    later = [(i, n) for i, n in enumerate(graphs) if i and n]
+    if later:
+        i, n = later[0]
+        _fail(v, f"recompiled after the first optimizer step: {n} new graph(s) in step {i} (torch_compile)")
 
 
 def _compare_checkpoint(v: Verdict, tol: Tolerance, ref: dict[str, Any], ck: dict[str, Any]) -> None:

@@ -120,6 +120,37 @@ def write_report(result: "SuiteResult", cases: list[Case], out: Path, plots: boo
     return [out / "report.json", out / "report.md", *plot_files]
 
 
+def _communication_table(result: "SuiteResult") -> list[str]:
+    """Per case: rank 0's collectives in its first optimizer step, observed (expected where the
+    backend's pattern is predicted), and the graphs dynamo compiled per step."""
+    rows = [v for v in result.verdicts if v.comm]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## Communication (rank 0, first optimizer step; every rank and step is checked)",
+        "",
+        "Calls and bytes of the full-size tensors (gathered output, unreduced input, all-reduced tensor). "
+        "`6 (5)`: observed 6, predicted 5 from the wrap plan and the config; no parentheses: as predicted, "
+        "or not predicted for this backend (checked: no).",
+        "",
+        "| case | checked | all-gathers | all-gather bytes | reduce-scatters | reduce-scatter bytes | all-reduces | all-reduce bytes | compiled graphs per step |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for v in rows:
+        cells = []
+        for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+            c = v.comm[kind]
+            n, want = c["count"], c["expected_count"]
+            cells.append(f"{n}" + (f" ({want})" if want is not None and want != n else ""))
+            lo, hi = c["expected_bytes"] or (None, None)
+            off = lo is not None and not lo <= c["bytes"] <= hi
+            cells.append(f"{c['bytes']:,}" + (f" ({lo:,}-{hi:,})" if off else ""))
+        graphs = ", ".join(str(g) for g in v.compiled_graphs) if any(v.compiled_graphs) else "-"
+        lines.append(f"| {v.case} | {'yes' if v.comm_checked else 'no'} | " + " | ".join(cells) + f" | {graphs} |")
+    return lines
+
+
 def _g(x: float) -> str:
     return "-" if not math.isfinite(x) else f"{x:.3g}"
 
@@ -172,6 +203,7 @@ def _markdown(result, families, coverage, uncovered, plot_files, out: Path) -> s
             f"{_g(v.max_grad_norm_rel_diff)} | {_g(v.max_param_diff)} | {_g(v.max_output_diff)} | "
             f"{_g(v.checkpoint_param_diff)} | {notes} |"
         )
+    lines += _communication_table(result)
     methods = sorted({v.checkpoint_method for v in result.verdicts if v.checkpoint_method})
     lines += [
         "",

@@ -89,7 +89,7 @@ def run_suite(
         if "error" in result:
             log.info("%s %s ERROR: %s", backend, case.name, result["error"].splitlines()[0])
             return
-        v = verdicts[case.name] = compare(case.name, reference[case.name], result, case.dtype)
+        v = verdicts[case.name] = _compare(case, reference[case.name], result)
         if v.ok:
             log.info(
                 "%s %s PASS (max diffs: loss %.2g, param %.2g)", backend, case.name, v.max_loss_diff, v.max_param_diff
@@ -114,7 +114,7 @@ def run_suite(
         finally:
             stop.set()
             follower.join()
-    ordered = [verdicts.get(c.name) or compare(c.name, reference[c.name], sharded[c.name], c.dtype) for c in cases]
+    ordered = [verdicts.get(c.name) or _compare(c, reference[c.name], sharded[c.name]) for c in cases]
     result = SuiteResult(
         backend,
         world_size,
@@ -132,6 +132,10 @@ def run_suite(
 
         write_report(result, cases, Path(report_dir), plots=plots)
     return result
+
+
+def _compare(case: Case, ref: dict[str, Any], got: dict[str, Any]) -> Verdict:
+    return compare(case.name, ref, got, case.dtype, config=case.config, grad_accum=case.grad_accum)
 
 
 def _follow(progress: Path, total: int, t0: float, stop: threading.Event) -> None:

@@ -13,6 +13,7 @@ single-device model, whose outputs on a probe batch are compared with the refere
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import fnmatch
 import json
@@ -30,6 +31,7 @@ from shardcore.capabilities import GlobalGradSquares, StepEnd
 from shardcore.ties import retie_like
 
 from .cases import Case
+from .comm import CommRecorder, autograd_facts
 from .models import build_model, forward_output, loss_fn, make_batches, probe_batch
 
 #: environment variables the suite sets for its workers
@@ -127,11 +129,14 @@ def run_case(case: Case, backend: Any | None) -> dict[str, Any]:
     t0 = time.time()
     model = build_model(case.model, case.seed)
     frozen = freeze(model, case.frozen)
+    recorder = compiled = None
     if backend is None:
         runtime: Any = LocalRuntime()
         model.to(runtime.device)
         world_size = 1
+        units = _unit_facts(case, model, runtime)
     else:
+        recorder, compiled = CommRecorder().install(), _CompileCounter(case)
         import shardcore
 
         weights = _without_weights(case, model) if case.empty_weights else None
@@ -151,8 +156,13 @@ def run_case(case: Case, backend: Any | None) -> dict[str, Any]:
     for batch in make_batches(case.model, case.steps, case.global_batch, case.seed):
         step_loss = None
         micros = _micro_batches(batch, case.grad_accum)
+        if recorder is not None:
+            recorder.begin_step()
         for i, micro in enumerate(micros):
-            with _accumulating(model, backend, last=i == len(micros) - 1):
+            # only the step's forward and backward communicate for the sharding; the suite's own
+            # reductions of metrics below are not counted
+            counting = recorder.recording() if recorder is not None else contextlib.nullcontext()
+            with counting, _accumulating(model, backend, last=i == len(micros) - 1):
                 if compute_dtype is None:
                     loss = loss_fn(case.model, model, runtime.local_batch(micro))
                     (loss / case.grad_accum).backward()
@@ -171,6 +181,10 @@ def run_case(case: Case, backend: Any | None) -> dict[str, Any]:
         grad_norms.append(float(gsq.sqrt()))
         if clip_norm is not None:
             clip_norms.append(float(clip_norm))
+        if compiled is not None:
+            compiled.step_done()
+    if recorder is not None:
+        recorder.uninstall()
     state = runtime.full_state_dict(model)
     params = {k: v.detach().float().cpu() for k, v in state.items()}
     out: dict[str, Any] = {"losses": losses, "grad_norms": grad_norms, "lrs": lrs, "params": params, "frozen": frozen}
@@ -178,12 +192,70 @@ def run_case(case: Case, backend: Any | None) -> dict[str, Any]:
         out["clip_norms"] = clip_norms
     probe = probe_batch(case.model, seed=case.seed)
     if backend is None:
+        out["units"] = units
         with torch.no_grad():
             out["probe"] = forward_output(case.model, model, runtime.local_batch(probe)).cpu()
     else:
+        out["comm"] = {
+            "pattern": getattr(runtime, "communication_pattern", None),
+            "world_size": world_size,
+            "ranks": _every_rank(recorder.steps),
+        }
+        out["compile"] = {"graphs_per_step": compiled.graphs_per_step}
         out["checkpoint"] = checkpoint_round_trip(case, model, runtime, state, probe, step_end)
     _note_progress(case, backend, runtime, time.time() - t0)
     return out
+
+
+def _unit_facts(case: Case, model: nn.Module, runtime: LocalRuntime) -> list[dict[str, Any]]:
+    """The plan's units with what the single-device model's first micro-batch says about them (which
+    the backward reaches, which parameters get a gradient): what the communication check predicts from."""
+    import shardcore
+    from shardcore.plan import build_plan
+
+    plan = build_plan(model, shardcore.parse_config(case.config))
+    batch = _micro_batches(next(iter(make_batches(case.model, 1, case.global_batch, case.seed))), case.grad_accum)[0]
+    return autograd_facts(model, plan, lambda m: loss_fn(case.model, m, runtime.local_batch(batch)).backward())
+
+
+def _every_rank(steps: list[Any]) -> list[Any]:
+    """Each rank's communication record (rank 0 collects them; a world without torch.distributed
+    reports its own)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [steps]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, steps)
+    return gathered
+
+
+class _CompileCounter:
+    """Graphs dynamo compiled in each optimizer step (``torch._dynamo``'s ``unique_graphs``). A
+    compiled case starts from empty dynamo caches, so that earlier cases in this process neither
+    count nor use up the recompile limit of ``Module._call_impl`` that every compiled unit shares."""
+
+    def __init__(self, case: Case) -> None:
+        import shardcore
+
+        self.graphs_per_step: list[int] = []
+        if shardcore.parse_config(case.config).torch_compile:
+            import torch._dynamo
+
+            torch._dynamo.reset()
+        self._last = self._graphs()
+
+    @staticmethod
+    def _graphs() -> int:
+        import sys
+
+        dynamo = sys.modules.get("torch._dynamo")
+        return int(dynamo.utils.counters["stats"]["unique_graphs"]) if dynamo is not None else 0
+
+    def step_done(self) -> None:
+        now = self._graphs()
+        self.graphs_per_step.append(now - self._last)
+        self._last = now
 
 
 def _without_weights(case: Case, model: nn.Module) -> tuple[nn.Module, Path]:
@@ -203,8 +275,6 @@ def _without_weights(case: Case, model: nn.Module) -> tuple[nn.Module, Path]:
 def _accumulating(model: nn.Module, backend: Any, last: bool) -> Any:
     """Every micro-batch but the last of a step accumulates without gradient reduction (on the
     sharded side; the reference has nothing to reduce)."""
-    import contextlib
-
     if last or backend is None:
         return contextlib.nullcontext()
     import shardcore

@@ -67,6 +67,9 @@ def parse_config(source: Any = None, **overrides: Any) -> ShardConfig:
 def _from_dict(raw: Mapping[str, Any]) -> ShardConfig:
     values = _canonical_keys(raw)
     out = {name: VALIDATORS[name](name, value) for name, value in values.items()}
+    if "torch_compile" not in out and (out.get("torch_compile_backend") or out.get("torch_compile_mode")):
+        # TrainingArguments: "setting torch_compile_backend (or _mode) will enable torch_compile"
+        out["torch_compile"] = True
     cfg = ShardConfig(**out, explicit=frozenset(values))
     check_combinations(cfg)
     return cfg

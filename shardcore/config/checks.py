@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..errors import ShardConfigError
 from .fields import show_value
-from .schema import ShardConfig
+from .schema import COMPILE_SETTINGS, ShardConfig
 
 
 def check_combinations(cfg: ShardConfig) -> None:
@@ -39,3 +39,12 @@ def check_combinations(cfg: ShardConfig) -> None:
             f"is set but the backend is {cfg.backend_name!r}; XLA keys need xla: true (as in "
             "TrainingArguments). Set xla: true or remove the XLA keys.",
         )
+    if not cfg.torch_compile:
+        defaults = ShardConfig()
+        for key in COMPILE_SETTINGS:
+            if getattr(cfg, key) != getattr(defaults, key):
+                raise ShardConfigError(
+                    key,
+                    f"is {show_value(getattr(cfg, key))} but torch_compile is false, so nothing is compiled. Set "
+                    f"torch_compile: true or remove {key}.",
+                )

@@ -13,7 +13,7 @@ import re
 from typing import Any, Mapping
 
 from ..errors import ShardConfigError, UnknownKeyError
-from .schema import AUTO_WRAP_POLICIES, FIELD_NAMES, STATE_DICT_TYPES, MixedPrecision
+from .schema import AUTO_WRAP_POLICIES, COMPILE_MODES, FIELD_NAMES, STATE_DICT_TYPES, MixedPrecision
 
 # Names users write for dtypes (accelerate's "bf16", torch's "bfloat16", "torch.bfloat16").
 _DTYPE_NAMES = {
@@ -239,6 +239,41 @@ def _mesh_size(key: str, value: Any) -> int | None:
     return value
 
 
+def _compile_backend(key: str, value: Any) -> str | None:
+    """A ``torch.compile`` backend by the name torch registers it under (``inductor``,
+    ``aot_eager``, ``openxla``, or one a user registered); accelerate writes them upper-case."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise ShardConfigError(
+            key, f"must be a torch.compile backend name such as 'inductor', got {show_value(value)}."
+        )
+    name = value.strip().lower()
+    import torch._dynamo  # only when the key is given: importing dynamo takes a moment
+
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if name not in known:
+        raise ShardConfigError(
+            key,
+            f"{show_value(value)} is not a torch.compile backend here. Use one of "
+            f"{', '.join(n for n in known if 'TESTING' not in n)} "
+            "(or register yours with torch._dynamo.register_backend before building the config).",
+        )
+    return name
+
+
+def _compile_mode(key: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().lower() in COMPILE_MODES:
+        return value.strip().lower()
+    raise ShardConfigError(key, f"must be one of {', '.join(COMPILE_MODES)}, got {show_value(value)}.")
+
+
+def _optional_bool(key: str, value: Any) -> bool | None:
+    return None if value is None else as_bool(key, value)
+
+
 VALIDATORS = {
     "version": _version,
     "backend": _backend,
@@ -258,6 +293,12 @@ VALIDATORS = {
     "timeout": _timeout,
     "dp_replicate_size": _mesh_size,
     "dp_shard_size": _mesh_size,
+    "torch_compile": as_bool,
+    "torch_compile_backend": _compile_backend,
+    "torch_compile_mode": _compile_mode,
+    "torch_compile_fullgraph": as_bool,
+    "torch_compile_dynamic": _optional_bool,
+    "torch_compile_regional": as_bool,
 }
 # A field without a validator would surface as a KeyError in the parser instead of a ShardConfigError.
 assert set(VALIDATORS) == FIELD_NAMES

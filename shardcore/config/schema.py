@@ -10,6 +10,16 @@ from typing import Any, Mapping
 
 AUTO_WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
 STATE_DICT_TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT")
+#: ``torch.compile``'s modes (``TrainingArguments.torch_compile_mode``, accelerate's ``dynamo_mode``)
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+#: the settings that only mean something with ``torch_compile`` on
+COMPILE_SETTINGS = (
+    "torch_compile_backend",
+    "torch_compile_mode",
+    "torch_compile_fullgraph",
+    "torch_compile_dynamic",
+    "torch_compile_regional",
+)
 
 # FSDP1 keys of TrainingArguments/accelerate. They are known, so they get a precise message instead
 # of a did-you-mean, but FSDP2 has no such setting, so accepting them would silently ignore them.
@@ -67,6 +77,14 @@ class ShardConfig:
     # sharding over every rank); dp_replicate_size x dp_shard_size must equal the world size
     dp_replicate_size: int | None = None
     dp_shard_size: int | None = None
+    # TrainingArguments' torch_compile keys and accelerate's dynamo_config: each sharding unit is
+    # compiled in place (regional), or with torch_compile_regional false the whole model
+    torch_compile: bool = False
+    torch_compile_backend: str | None = None  # None: torch.compile's default, inductor
+    torch_compile_mode: str | None = None
+    torch_compile_fullgraph: bool = False
+    torch_compile_dynamic: bool | None = None
+    torch_compile_regional: bool = True
     explicit: frozenset[str] = field(default_factory=frozenset, compare=False, repr=False)
 
     @property
@@ -111,6 +129,9 @@ class ShardConfig:
             del out["backend"]
         if out["mixed_precision"] is None:
             del out["mixed_precision"]
+        for key in ("torch_compile_backend", "torch_compile_mode", "torch_compile_dynamic"):
+            if out[key] is None:
+                del out[key]
         return out
 
 

@@ -25,7 +25,6 @@ _ACCELERATE_LAUNCHER_KEYS = {
     "debug",
     "distributed_type",
     "downcast_bf16",
-    "dynamo_config",
     "enable_cpu_affinity",
     "gpu_ids",
     "machine_rank",
@@ -44,6 +43,7 @@ _ACCELERATE_LAUNCHER_KEYS = {
     "use_cpu",
     "fsdp_config",
     "parallelism_config",
+    "dynamo_config",  # read: torch_compile and its settings
 }
 
 
@@ -162,7 +162,41 @@ def _from_accelerate_yaml(text: str, path: Path) -> dict[str, Any]:
     if dist_type is not None and str(dist_type).upper() == "XLA":
         raw.setdefault("xla", True)
     raw.update(parallelism_keys(data.get("parallelism_config"), f"accelerate config {path}"))
+    raw.update(dynamo_keys(data.get("dynamo_config"), f"accelerate config {path}"))
     return raw
+
+
+#: accelerate's dynamo_config keys -> shardcore's
+_DYNAMO_KEYS = {
+    "dynamo_backend": "torch_compile_backend",
+    "dynamo_mode": "torch_compile_mode",
+    "dynamo_use_fullgraph": "torch_compile_fullgraph",
+    "dynamo_use_dynamic": "torch_compile_dynamic",
+    "dynamo_use_regional_compilation": "torch_compile_regional",
+}
+
+
+def dynamo_keys(section: Any, where: str) -> dict[str, Any]:
+    """The ``torch_compile`` keys of an accelerate YAML's ``dynamo_config`` section. ``dynamo_backend:
+    NO`` (accelerate's "off", and what it writes when compilation was not chosen) turns compilation
+    off, and the section's other keys are then inert there as here; any other backend turns it on."""
+    if section is None:
+        return {}
+    if not isinstance(section, Mapping):
+        raise ShardConfigError(
+            "dynamo_config", f"must be a mapping of dynamo_ keys in {where}, got {show_value(section)}."
+        )
+    for key in section:
+        if key not in _DYNAMO_KEYS:
+            raise UnknownKeyError(f"dynamo_config.{key}", [f"dynamo_config.{k}" for k in _DYNAMO_KEYS], where=where)
+    backend = section.get("dynamo_backend")
+    if backend is None or (isinstance(backend, str) and backend.strip().upper() == "NO"):
+        return {"torch_compile": False}
+    out = {"torch_compile": True}
+    for key, value in section.items():
+        if value is not None:
+            out[_DYNAMO_KEYS[key]] = value
+    return out
 
 
 def _is_training_arguments(obj: Any) -> bool:
@@ -203,6 +237,11 @@ def _from_training_arguments(args: Any) -> dict[str, Any]:
             "FSDP guide). Keep fsdp_config's activation_checkpointing only.",
         )
     raw.update(parallelism_keys(getattr(args, "parallelism_config", None), "TrainingArguments.parallelism_config"))
+    if getattr(args, "torch_compile", False):
+        raw.setdefault("torch_compile", True)
+        for key in ("torch_compile_backend", "torch_compile_mode"):
+            if getattr(args, key, None) is not None:
+                raw.setdefault(key, getattr(args, key))
     # Trainer fills its own defaults into fsdp_config (e.g. min_num_params 0, xla False); those that
     # equal ours are harmless, the rest are validated like any user key.
     return raw

@@ -44,6 +44,7 @@ class XLABackend(ConfigResolved, ConfigValidation, Launcher, DeviceLaunch):
     name = XlaBackendBase.name
     install_hint = XlaBackendBase.install_hint
     supported_keys = XlaBackendBase.supported_keys
+    unsupported_reasons = XlaBackendBase.unsupported_reasons
 
     def __init__(self) -> None:
         self._by_v2 = {False: XlaFsdpBackend(), True: SpmdBackend()}

@@ -71,6 +71,16 @@ class XlaBackendBase(
             "dp_shard_size",
         }
     )
+    _no_compile = (
+        "XLA already compiles each step's whole graph (forward, backward and optimizer, cut at the "
+        "step end) into one XLA program; torch.compile (dynamo with the openxla backend) in front of "
+        "XLA FSDP or SPMD is a different way of tracing that shardcore neither offers nor tests."
+    )
+    unsupported_reasons = {
+        "torch_compile": _no_compile,
+        "torch_compile_backend": _no_compile,
+        "torch_compile_mode": _no_compile,
+    }
 
     @property
     def _ranks(self) -> Ranks:

@@ -1,0 +1,316 @@
+"""Communication accounting: what each rank's collectives were in each optimizer step, and what
+the wrap plan and the config say they must be.
+
+A parity check cannot see a sharding that is numerically right and wasteful: a model sharded as
+one unit whatever the plan says, a ``no_sync`` that still reduces every micro-batch, compiled
+wrappers that bypass the sharding hooks. Counts and bytes can.
+
+Recording (:class:`CommRecorder`): the sharded worker wraps ``torch.distributed``'s collectives
+(``all_gather_into_tensor``, ``all_gather``, ``reduce_scatter_tensor``, ``reduce_scatter``,
+``all_reduce``: what FSDP2 and DDP-style backends call) and counts, while the training step's
+forward and backward run (not the suite's own metric reductions), each call and the bytes of the
+full-size tensor it moves: the gathered output of an all-gather, the unreduced input of a
+reduce-scatter, the tensor of an all-reduce. That is the ZeRO papers' measure, so one step of
+ZeRO-3 moves 3x the parameter bytes.
+
+Prediction (:func:`expected_fsdp`), for a backend that declares ``communication_pattern = "fsdp"``
+(FSDP2 and its subclasses): per optimizer step of ``A`` micro-batches, for every unit of the plan
+that holds parameters (the root too):
+
+- all-gathers: one per micro-batch in forward, and one more in backward when
+  ``reshard_after_forward`` is true, the unit is not the root (the root stays gathered from forward to
+  backward) and the backward reaches it or the unit that ran after it (FSDP2 prefetches the next
+  all-gather of the backward, even for a frozen first layer the backward never enters);
+- reduce-scatters: one per optimizer step when the unit has gradients (``no_sync`` holds the other
+  micro-batches' gradients unreduced), one per micro-batch without accumulation;
+- HSDP (``dp_replicate_size`` > 1): one all-reduce across replicas per reduce-scatter;
+- a collective over a group of one rank moves nothing and is not counted: with one rank per shard
+  group (pure replication, or a single device) there are no all-gathers and reduce-scatters;
+- bytes: the unit's parameters in the all-gather dtype (``mixed_precision.param_dtype``, else their
+  own), the gradients that exist in the reduce dtype; the all-reduce moves one shard. Each may
+  exceed that by at most the padding of dim 0 to a multiple of the shard count.
+
+Which units the backward reaches and which parameters get a gradient are properties of the model
+(frozen layers, unused parameters), read from the single-device reference run
+(:func:`autograd_facts`), not from the backend under test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+#: torch.distributed function -> (kind, the argument holding its full-size tensor)
+_WRAPPED = {
+    "all_gather_into_tensor": ("all_gather", "output_tensor"),
+    "all_gather": ("all_gather", "tensor_list"),
+    "reduce_scatter_tensor": ("reduce_scatter", "input"),
+    "reduce_scatter": ("reduce_scatter", "input_list"),
+    "all_reduce": ("all_reduce", "tensor"),
+}
+
+
+def _nbytes(x: Any) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(t) for t in x)
+    return 0
+
+
+class CommRecorder:
+    """Counts ``torch.distributed`` collectives per step while :meth:`recording`.
+
+    Installed process-wide (the functions of ``torch.distributed`` and of its ``distributed_c10d``
+    module are replaced by counting wrappers) and removed by :meth:`uninstall`. A collective that
+    calls another (``_all_gather_base`` -> ``all_gather_into_tensor``) counts once.
+    """
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, dict[str, Any]]] = []
+        self._step: dict[str, dict[str, Any]] | None = None
+        self._saved: dict[tuple[Any, str], Any] = {}
+        self._local = threading.local()
+
+    _active: "CommRecorder | None" = None
+
+    def install(self) -> "CommRecorder":
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        if CommRecorder._active is not None:  # a case that raised left its recorder installed
+            CommRecorder._active.uninstall()
+        CommRecorder._active = self
+        for name, spec in _WRAPPED.items():
+            original = getattr(c10d, name)
+            wrapper = self._wrap(original, *spec)
+            for mod in (dist, c10d):
+                self._saved[(mod, name)] = getattr(mod, name)
+                setattr(mod, name, wrapper)
+        return self
+
+    def uninstall(self) -> None:
+        for (mod, name), fn in self._saved.items():
+            setattr(mod, name, fn)
+        self._saved.clear()
+        if CommRecorder._active is self:
+            CommRecorder._active = None
+
+    def _wrap(self, original: Any, kind: str, tensor_arg: str) -> Any:
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            depth = getattr(self._local, "depth", 0)
+            if self._step is not None and depth == 0:
+                bound = signature.bind_partial(*args, **kwargs).arguments
+                self._note(kind, _nbytes(bound.get(tensor_arg)), _group_size(bound.get("group")))
+            self._local.depth = depth + 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._local.depth = depth
+
+        return counted
+
+    def _note(self, kind: str, nbytes: int, group_size: int) -> None:
+        if group_size == 1:
+            # nothing leaves the rank: torch 2.9's FSDP2 still calls a reduce-scatter over a
+            # shard group of one (pure replication, one device), torch 2.11's skips it
+            return
+        s = self._step[kind]  # type: ignore[index]
+        s["count"] += 1
+        s["bytes"] += nbytes
+        if group_size not in s["group_sizes"]:
+            s["group_sizes"].append(group_size)
+
+    def begin_step(self) -> None:
+        self._step = None
+        self.steps.append({k: {"count": 0, "bytes": 0, "group_sizes": []} for k in KINDS})
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Count the collectives run inside (the current step's forward and backward)."""
+        self._step = self.steps[-1]
+        try:
+            yield
+        finally:
+            self._step = None
+
+
+def _group_size(group: Any) -> int:
+    import torch.distributed as dist
+
+    try:
+        return dist.get_world_size(group)
+    except Exception:  # noqa: BLE001 - a group this rank is not in, or a destroyed one
+        return -1
+
+
+@dataclass(frozen=True)
+class UnitFacts:
+    """One unit of the plan as the prediction needs it: its parameters' shapes and element sizes,
+    whether the backward reached it, and which of its parameters got a gradient."""
+
+    path: str
+    params: tuple[tuple[str, tuple[int, ...], int], ...]  # (name, shape, bytes per element)
+    in_backward: bool
+    with_grad: tuple[str, ...]
+
+
+def autograd_facts(model: nn.Module, plan: Any, run_step: Any) -> list[dict[str, Any]]:
+    """Run one forward and backward (``run_step(model)``) of a copy of the single-device ``model``
+    and record, per unit of ``plan``, its parameters, whether the backward reached its outputs and
+    which of its parameters got a gradient."""
+    import copy
+
+    model = copy.deepcopy(model)
+    units = plan.all_units()
+    reached: dict[str, bool] = {u.path: u.path == "" for u in units}
+    order: list[str] = []  # units in the order their forward finished
+    handles = []
+    for u in units:
+        if u.path == "":
+            continue
+
+        def hook(module: nn.Module, args: Any, output: Any, path: str = u.path) -> None:
+            if path not in order:
+                order.append(path)
+            outs = [t for t in _tensors(output) if t.requires_grad]
+            if outs:
+                torch.autograd.graph.register_multi_grad_hook(
+                    outs, lambda grads, p=path: reached.__setitem__(p, True), mode="any"
+                )
+
+        handles.append(model.get_submodule(u.path).register_forward_hook(hook))
+    try:
+        run_step(model)
+    finally:
+        for h in handles:
+            h.remove()
+    params = dict(model.named_parameters())
+    out = []
+    for u in units:
+        names = [n for n in u.param_names if n in params]
+        out.append(
+            {
+                "path": u.path,
+                "params": [[n, list(params[n].shape), params[n].element_size()] for n in names],
+                "in_backward": reached[u.path],
+                # FSDP2 prefetches, in the backward of a unit, the unit that finished forward just
+                # before it, whether or not the backward will reach that one
+                "prefetched": u.path in order
+                and order.index(u.path) + 1 < len(order)
+                and reached[order[order.index(u.path) + 1]],
+                "with_grad": [n for n in names if params[n].grad is not None],
+            }
+        )
+    return out
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors(v)]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _tensors(v)]
+    if hasattr(x, "to_tuple"):  # Hugging Face ModelOutput
+        return _tensors(x.to_tuple())
+    return []
+
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+
+def _padded(shape: list[int], shards: int) -> tuple[int, int]:
+    """Elements of a parameter, and with dim 0 padded to a multiple of ``shards`` (FSDP2's chunks)."""
+    n = math.prod(shape)
+    if not shape:
+        return n, n
+    rows = shape[0]
+    per_row = n // rows if rows else 0
+    return n, -(-rows // shards) * shards * per_row
+
+
+def expected_fsdp(
+    units: list[dict[str, Any]], config: Any, world_size: int, grad_accum: int
+) -> dict[str, dict[str, Any]]:
+    """Per kind: ``count`` per optimizer step, ``bytes`` ``[lowest, highest]`` per step, and ``why``
+    (the rule, for messages). See the module docstring for the rules."""
+    from shardcore.validate import data_parallel_shape
+
+    replicas, shards = data_parallel_shape(config, world_size)
+    mp = config.mixed_precision
+    gather_size = _ITEMSIZE[mp.param_dtype] if mp is not None and mp.param_dtype else None
+    reduce_dtype = (mp.reduce_dtype or mp.param_dtype) if mp is not None else None
+    reduce_size = _ITEMSIZE[reduce_dtype] if reduce_dtype else None
+    reshard = config.reshard_after_forward
+    a = grad_accum
+    out = {k: {"count": 0, "bytes": [0, 0], "why": []} for k in KINDS}
+
+    def add(kind: str, count: int, lo: int, hi: int, why: str) -> None:
+        if count:
+            out[kind]["count"] += count
+            out[kind]["bytes"][0] += count * lo
+            out[kind]["bytes"][1] += count * hi
+            out[kind]["why"].append(why)
+
+    for u in units:
+        if not u["params"]:
+            continue
+        name = u["path"] or "<root>"
+        lo = hi = 0
+        for _, shape, size in u["params"]:
+            n, padded = _padded(shape, shards)
+            lo += n * (gather_size or size)
+            hi += padded * (gather_size or size)
+        again = reshard and u["path"] != "" and (u["in_backward"] or u.get("prefetched", False))
+        if shards > 1:  # a shard group of one rank holds whole parameters: nothing to gather
+            add("all_gather", a * (2 if again else 1), lo, hi, f"{name} x{a * (2 if again else 1)}")
+        if u["with_grad"]:
+            grads = {n for n in u["with_grad"]}
+            rlo = rhi = 0
+            for n, shape, size in u["params"]:
+                if n in grads:
+                    e, padded = _padded(shape, shards)
+                    rlo += e * (reduce_size or size)
+                    rhi += padded * (reduce_size or size)
+            if shards > 1:
+                add("reduce_scatter", 1, rlo, rhi, f"{name} x1")
+            if replicas > 1:
+                add("all_reduce", 1, rlo // shards, -(-rhi // shards), f"{name} x1")
+    return out
+
+
+def check(observed: list[list[dict[str, Any]]], expected: dict[str, dict[str, Any]]) -> list[str]:
+    """Mismatches of every rank's every step against ``expected`` (empty: all match).
+    ``observed[rank][step]`` is a :class:`CommRecorder` step."""
+    problems = []
+    for rank, steps in enumerate(observed):
+        for i, step in enumerate(steps):
+            for kind in KINDS:
+                got, want = step[kind], expected[kind]
+                lo, hi = want["bytes"]
+                if got["count"] != want["count"]:
+                    problems.append(
+                        f"communication differs at step {i} on rank {rank}: {got['count']} {kind} calls, expected "
+                        f"{want['count']} (per unit: {', '.join(want['why']) or 'none'})"
+                    )
+                elif not lo <= got["bytes"] <= hi:
+                    problems.append(
+                        f"communication differs at step {i} on rank {rank}: {kind} moved {got['bytes']} bytes, "
+                        f"expected {lo}" + (f" to {hi} (padding)" if hi != lo else "")
+                    )
+            if problems:
+                return problems
+    return problems

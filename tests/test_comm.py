@@ -1,0 +1,86 @@
+"""The communication prediction of the conformance suite (``shardcore_conformance.comm``), rule by
+rule, on hand-made plans: what FSDP-style sharding must communicate per optimizer step."""
+
+from shardcore import parse_config
+from shardcore_conformance.comm import check, expected_fsdp
+
+
+def _units(frozen_first: bool = False):
+    def unit(path, rows, grads=True, reached=True, prefetched=True):
+        params = [[f"{path}.w", [rows, 4], 4], [f"{path}.b", [rows], 4]]
+        return {
+            "path": path,
+            "params": params,
+            "in_backward": reached,
+            "prefetched": prefetched,
+            "with_grad": [p[0] for p in params] if grads else [],
+        }
+
+    return [
+        unit("l0", 3, grads=not frozen_first, reached=not frozen_first),
+        unit("l1", 4),
+        {**unit("", 2), "path": ""},
+    ]
+
+
+def _step(ag, ag_bytes, rs, rs_bytes, ar=0, ar_bytes=0):
+    return {
+        "all_gather": {"count": ag, "bytes": ag_bytes, "group_sizes": [2]},
+        "reduce_scatter": {"count": rs, "bytes": rs_bytes, "group_sizes": [2]},
+        "all_reduce": {"count": ar, "bytes": ar_bytes, "group_sizes": [2]},
+    }
+
+
+def test_units_are_gathered_again_in_backward_but_the_root_is_not():
+    e = expected_fsdp(_units(), parse_config({}), world_size=2, grad_accum=1)
+    assert e["all_gather"]["count"] == 5 and e["reduce_scatter"]["count"] == 3 and e["all_reduce"]["count"] == 0
+    # l0: 3 rows padded to 4 (x5 floats a row), twice; l1: 4 rows, twice; root: 2 rows, once
+    assert e["all_gather"]["bytes"] == [(15 * 2 + 20 * 2 + 10) * 4, (20 * 2 + 20 * 2 + 10) * 4]
+    assert e["reduce_scatter"]["bytes"] == [45 * 4, 50 * 4]
+    off = expected_fsdp(_units(), parse_config({"reshard_after_forward": False}), 2, 1)
+    assert off["all_gather"]["count"] == 3
+
+
+def test_accumulation_reduces_once_and_gathers_every_micro_batch():
+    e = expected_fsdp(_units(), parse_config({}), 2, grad_accum=3)
+    assert e["all_gather"]["count"] == 15 and e["reduce_scatter"]["count"] == 3
+
+
+def test_mixed_precision_dtypes_set_the_bytes():
+    e = expected_fsdp(
+        _units(), parse_config({"mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}), 2, 1
+    )
+    assert e["all_gather"]["bytes"][1] == 90 * 2 and e["reduce_scatter"]["bytes"][1] == 50 * 4
+    e = expected_fsdp(_units(), parse_config({"mixed_precision": "bf16"}), 2, 1)
+    assert e["reduce_scatter"]["bytes"][1] == 50 * 2
+
+
+def test_hsdp_all_reduces_a_shard_and_pure_replication_gathers_nothing():
+    e = expected_fsdp(_units(), parse_config({"dp_replicate_size": 2}), 4, 1)
+    assert e["all_reduce"]["count"] == 3 and e["all_reduce"]["bytes"][1] == e["reduce_scatter"]["bytes"][1] // 2
+    r = expected_fsdp(_units(), parse_config({"dp_shard_size": 1}), 2, 1)
+    assert r["all_gather"]["count"] == 0 and r["reduce_scatter"]["count"] == 0 and r["all_reduce"]["count"] == 3
+    one = expected_fsdp(_units(), parse_config({}), 1, 1)  # a single device communicates nothing
+    assert all(one[k]["count"] == 0 for k in one)
+
+
+def test_a_frozen_first_unit_is_gathered_in_backward_only_as_a_prefetch():
+    e = expected_fsdp(_units(frozen_first=True), parse_config({}), 2, 1)
+    assert e["all_gather"]["count"] == 5 and e["reduce_scatter"]["count"] == 2
+    units = _units(frozen_first=True)
+    units[0]["prefetched"] = False
+    assert expected_fsdp(units, parse_config({}), 2, 1)["all_gather"]["count"] == 4
+
+
+def test_check_names_rank_step_kind_and_each_units_share():
+    e = expected_fsdp(_units(), parse_config({}), 2, 1)
+    good = _step(5, e["all_gather"]["bytes"][1], 3, e["reduce_scatter"]["bytes"][0])
+    assert check([[good, good], [good]], e) == []
+    (msg,) = check([[good], [good, _step(5, e["all_gather"]["bytes"][1], 6, 0)]], e)
+    assert msg == (
+        "communication differs at step 1 on rank 1: 6 reduce_scatter calls, expected 3 (per unit: l0 x1, l1 x1, <root> x1)"
+    )
+    (msg,) = check([[_step(5, 1, 3, e["reduce_scatter"]["bytes"][0])]], e)
+    assert msg.startswith(
+        "communication differs at step 0 on rank 0: all_gather moved 1 bytes, expected 320 to 360 (padding)"
+    )

@@ -261,6 +261,14 @@ class TorchDistributedRuntime:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable), by rank. Collective."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return [obj]
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+
     def local_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's contiguous slice (along dim 0) of a global batch, on this rank's device."""
         w = self.world()

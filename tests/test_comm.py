@@ -84,3 +84,22 @@ def test_check_names_rank_step_kind_and_each_units_share():
     assert msg.startswith(
         "communication differs at step 0 on rank 0: all_gather moved 1 bytes, expected 320 to 360 (padding)"
     )
+
+
+def test_collectives_are_read_from_torch_xla_hlo_text():
+    from shardcore_conformance.comm import hlo_collectives
+
+    text = "\n".join(
+        [
+            "  %p.3 = f32[128]{0} parameter(0)",
+            "  %all-gather.5 = f32[256]{0} all-gather(f32[128]{0} %p.3), replica_groups={{0,1}}, dimensions={0}",
+            "  %all-gather.6 = bf16[2,256]{1,0} all-gather(bf16[1,256]{1,0} %q), replica_groups={}, dimensions={0}",
+            "  %reduce-scatter.9 = (f32[128]{0}, f32[]) reduce-scatter(f32[256]{0} %g, f32[] %t), "
+            "replica_groups={{0,1}}, dimensions={0}, to_apply=%AddComputation.7",
+            "  %all-reduce.2 = (f32[4]{0}, f32[]) all-reduce(f32[4]{0} %n, f32[] %t), replica_groups={{0}}",
+        ]
+    )
+    got = hlo_collectives(text, world_size=2)
+    assert got["all_gather"] == {"count": 2, "bytes": 256 * 4 + 512 * 2, "group_sizes": [2]}
+    assert got["reduce_scatter"] == {"count": 1, "bytes": 256 * 4, "group_sizes": [2]}
+    assert got["all_reduce"]["count"] == 0  # a group of one rank moves nothing

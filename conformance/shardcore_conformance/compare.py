@@ -62,6 +62,8 @@ class Verdict:
     #: backend) and rank 0's observed ones in its first step; ``comm_checked`` whether they were checked
     comm: dict[str, Any] = field(default_factory=dict)
     comm_checked: bool = False
+    #: the backend's ``communication_pattern`` ("" if it declares none)
+    comm_pattern: str = ""
     #: graphs dynamo compiled in each optimizer step of the sharded run
     compiled_graphs: list[int] = field(default_factory=list)
 
@@ -171,15 +173,18 @@ def _compare_communication(
 ) -> None:
     from shardcore import parse_config
 
-    from .comm import KINDS, check, expected_fsdp
+    from .comm import KINDS, PREDICTIONS, check
 
     comm = got.get("comm")
+    if comm:
+        v.comm_pattern = comm.get("pattern") or ""
     if not comm or not comm["ranks"] or not comm["ranks"][0]:
         return
     first = comm["ranks"][0][0]
     expected = None
-    if comm.get("pattern") == "fsdp" and "units" in ref:
-        expected = expected_fsdp(ref["units"], parse_config(config), comm["world_size"], a)
+    predict = PREDICTIONS.get(comm.get("pattern"))
+    if predict is not None and "units" in ref:
+        expected = predict(ref["units"], parse_config(config), comm["world_size"], a)
         v.comm_checked = True
         for problem in check(comm["ranks"], expected)[:1]:
             _fail(v, problem)

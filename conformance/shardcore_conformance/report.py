@@ -125,6 +125,14 @@ def _communication_table(result: "SuiteResult") -> list[str]:
     backend's pattern is predicted), and the graphs dynamo compiled per step."""
     rows = [v for v in result.verdicts if v.comm]
     if not rows:
+        if any(v.comm_pattern == "spmd" for v in result.verdicts):
+            return [
+                "",
+                "## Communication",
+                "",
+                "Not recorded: under SPMD the partitioner inserts the collectives when it compiles the "
+                "step, after the traced graph the suite reads (which holds none).",
+            ]
         return []
     lines = [
         "",

@@ -31,7 +31,7 @@ from shardcore.capabilities import GlobalGradSquares, StepEnd
 from shardcore.ties import retie_like
 
 from .cases import Case
-from .comm import CommRecorder, autograd_facts
+from .comm import autograd_facts, recorder_for
 from .models import build_model, forward_output, loss_fn, make_batches, probe_batch
 
 #: environment variables the suite sets for its workers
@@ -136,7 +136,7 @@ def run_case(case: Case, backend: Any | None) -> dict[str, Any]:
         world_size = 1
         units = _unit_facts(case, model, runtime)
     else:
-        recorder, compiled = CommRecorder().install(), _CompileCounter(case)
+        compiled = _CompileCounter(case)
         import shardcore
 
         weights = _without_weights(case, model) if case.empty_weights else None
@@ -148,6 +148,7 @@ def run_case(case: Case, backend: Any | None) -> dict[str, Any]:
             shardcore.load(model, weights)
         runtime = shardcore.handle(model).backend
         world_size = runtime.world().size
+        recorder = recorder_for(runtime, world_size)
     opt = torch.optim.AdamW(model.parameters(), lr=case.lr, weight_decay=0.01, eps=ADAM_EPS)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(case.lr_schedule, s, case.steps))
     compute_dtype = _reference_compute_dtype(case) if backend is None else None
@@ -169,6 +170,8 @@ def run_case(case: Case, backend: Any | None) -> dict[str, Any]:
                 else:
                     loss = _low_precision_step(case, model, runtime.local_batch(micro), compute_dtype)
             step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
+        if recorder is not None:
+            recorder.after_backward(model)
         gsq = global_grad_sq_sum(runtime, model, step_loss.device)
         clip_norm = _clip(case, model, backend)
         lrs.append(float(opt.param_groups[0]["lr"]))
@@ -199,7 +202,7 @@ def run_case(case: Case, backend: Any | None) -> dict[str, Any]:
         out["comm"] = {
             "pattern": getattr(runtime, "communication_pattern", None),
             "world_size": world_size,
-            "ranks": _every_rank(recorder.steps),
+            "ranks": _every_rank(runtime, recorder.steps) if recorder is not None else [],
         }
         out["compile"] = {"graphs_per_step": compiled.graphs_per_step}
         out["checkpoint"] = checkpoint_round_trip(case, model, runtime, state, probe, step_end)
@@ -218,16 +221,10 @@ def _unit_facts(case: Case, model: nn.Module, runtime: LocalRuntime) -> list[dic
     return autograd_facts(model, plan, lambda m: loss_fn(case.model, m, runtime.local_batch(batch)).backward())
 
 
-def _every_rank(steps: list[Any]) -> list[Any]:
-    """Each rank's communication record (rank 0 collects them; a world without torch.distributed
-    reports its own)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [steps]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, steps)
-    return gathered
+def _every_rank(runtime: Any, steps: list[Any]) -> list[Any]:
+    """Each rank's communication record, by rank (a backend without ``all_gather_object``: its own)."""
+    gather = getattr(runtime, "all_gather_object", None)
+    return gather(steps) if gather is not None else [steps]
 
 
 class _CompileCounter:

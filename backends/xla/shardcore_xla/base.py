@@ -121,6 +121,10 @@ class XlaBackendBase(
     def broadcast_object(self, obj: Any) -> Any:
         return self._ranks.broadcast_object(obj)
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, by rank (one under SPMD). Collective."""
+        return self._ranks.all_gather_object(obj)
+
     def step_end(self) -> None:
         """Cut and run the step's lazy graph (``torch_xla.sync()``); call it after ``optimizer.step()``.
 

@@ -27,6 +27,8 @@ from .collectives import Ranks
 
 
 class XlaFsdpBackend(XlaBackendBase):
+    #: the conformance suite reads each rank's collectives from its traced graph and checks them
+    communication_pattern = "xla_fsdp"
     #: shardcore's fixes for XLA FSDP units that return several tensors (unit_fix.py)
     unit_fixes = True
 

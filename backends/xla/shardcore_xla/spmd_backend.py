@@ -24,6 +24,9 @@ from .collectives import Ranks
 
 
 class SpmdBackend(XlaBackendBase):
+    #: the SPMD partitioner inserts the collectives when it compiles: not in the graph the suite reads
+    communication_pattern = "spmd"
+
     def __init__(self) -> None:
         self._mesh = None  # the global mesh, once a model was sharded
 

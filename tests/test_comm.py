@@ -103,3 +103,36 @@ def test_collectives_are_read_from_torch_xla_hlo_text():
     assert got["all_gather"] == {"count": 2, "bytes": 256 * 4 + 512 * 2, "group_sizes": [2]}
     assert got["reduce_scatter"] == {"count": 1, "bytes": 256 * 4, "group_sizes": [2]}
     assert got["all_reduce"]["count"] == 0  # a group of one rank moves nothing
+
+
+def test_xla_fsdp_gathers_each_tensor_padded_to_128_per_rank():
+    from shardcore_conformance.comm import expected_xla_fsdp
+
+    xla = parse_config({"xla": True})
+    e = expected_xla_fsdp(_units(), xla, world_size=2, grad_accum=1)
+    # 6 tensors; l0 and l1 gathered again in backward; the root (kept gathered) once
+    assert e["all_gather"]["count"] == 2 + 2 + 2 + 2 + 2 and e["reduce_scatter"]["count"] == 6
+    assert e["all_gather"]["bytes"][1] == 10 * 256 * 4 and e["reduce_scatter"]["bytes"] == [45 * 4, 6 * 256 * 4]
+    # no_sync: resharded units gather in each micro-batch; the root keeps its tensors across them
+    assert expected_xla_fsdp(_units(), xla, 2, grad_accum=3)["all_gather"]["count"] == 3 * 8 + 2
+    off = parse_config({"xla": True, "reshard_after_forward": False})
+    assert expected_xla_fsdp(_units(), off, 2, grad_accum=3)["all_gather"]["count"] == 6
+    # a frozen unit the backward never reaches: gathered once per micro-batch, never reduced
+    frozen = expected_xla_fsdp(_units(frozen_first=True), off, 2, grad_accum=3)
+    assert frozen["all_gather"]["count"] == 2 * 3 + 4 and frozen["reduce_scatter"]["count"] == 4
+    bf16 = parse_config({"xla": True, "xla_fsdp_settings": {"compute_dtype": "bfloat16"}})
+    e = expected_xla_fsdp(_units(), bf16, 2, 1)  # gathered in bf16, gradients reduced in fp32
+    assert e["all_gather"]["bytes"][1] == 10 * 256 * 2 and e["reduce_scatter"]["bytes"][1] == 6 * 256 * 4
+    assert all(v["count"] == 0 for v in expected_xla_fsdp(_units(), xla, 1, 1).values())
+
+
+def test_xla_fsdp_settings_that_change_the_pattern():
+    from shardcore_conformance.comm import expected_xla_fsdp
+
+    flat = parse_config({"xla": True, "xla_fsdp_settings": {"flatten_parameters": True}})
+    e = expected_xla_fsdp(_units(), flat, 2, 1)  # one flat tensor per unit
+    assert e["all_gather"]["count"] == 2 + 2 + 1 and e["reduce_scatter"]["count"] == 3
+    dim0 = parse_config({"xla": True, "xla_fsdp_settings": {"shard_param_on_dim_0": True}})
+    assert expected_xla_fsdp(_units(), dim0, 2, 1)["all_gather"]["count"] == 10
+    bucket = parse_config({"xla": True, "xla_fsdp_settings": {"reduce_scatter_bucket_size_mb": 25}})
+    assert expected_xla_fsdp(_units(), bucket, 2, 1) is None  # coalesced: reported, not predicted

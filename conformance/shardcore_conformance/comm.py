@@ -30,6 +30,10 @@ that holds parameters (the root too):
   own), the gradients that exist in the reduce dtype; the all-reduce moves one shard. Each may
   exceed that by at most the padding of dim 0 to a multiple of the shard count.
 
+XLA FSDP (``communication_pattern = "xla_fsdp"``) is read from each rank's traced graph
+(:class:`XlaGraphRecorder`) and predicted by :func:`expected_xla_fsdp`; SPMD's collectives are
+inserted by the partitioner at compile time and are not recorded (:func:`recorder_for`).
+
 Which units the backward reaches and which parameters get a gradient are properties of the model
 (frozen layers, unused parameters), read from the single-device reference run
 (:func:`autograd_facts`), not from the backend under test.
@@ -227,7 +231,7 @@ def _empty_step() -> dict[str, dict[str, Any]]:
 
 def recorder_for(runtime: Any, world_size: int) -> Any:
     """How the suite sees a backend's collectives (``communication_pattern``): XLA FSDP in its traced
-    graph; SPMD not at all (the partitioner inserts its collectives when it compiles, after the
+    graph (checked with :func:`expected_xla_fsdp`); SPMD not at all (the partitioner inserts its collectives when it compiles, after the
     graph the suite can read); anything else at ``torch.distributed``'s functions."""
     pattern = getattr(runtime, "communication_pattern", None)
     if pattern == "xla_fsdp":
@@ -382,10 +386,72 @@ def expected_fsdp(
     return out
 
 
+def expected_xla_fsdp(
+    units: list[dict[str, Any]], config: Any, world_size: int, grad_accum: int
+) -> dict[str, dict[str, Any]] | None:
+    """XLA FSDP (``XlaFullyShardedDataParallel`` as shardcore wraps it: parameters not flattened, no
+    reduce-scatter buckets), per parameter tensor of a unit (the root too), per optimizer step of
+    ``A`` micro-batches:
+
+    - all-gathers: a unit resharded after forward (``reshard_after_forward`` and not the root, which
+      XLA FSDP keeps gathered) gathers each tensor in every micro-batch's forward, and again in its
+      backward when the backward reaches it. A unit that is not resharded keeps its tensors gathered
+      across ``no_sync`` micro-batches: once per step, except tensors without a gradient (frozen, or a
+      unit the backward does not reach), which are freed when each backward ends;
+    - reduce-scatters: one per tensor with a gradient per step;
+    - bytes: the all-gather in the compute dtype (``xla_fsdp_settings.compute_dtype``, else the
+      parameter's), the reduce-scatter in the parameter's (the gradient of the full parameter);
+      each tensor flattened and padded to a multiple of 128 x the world size.
+
+    ``flatten_parameters``: one flat tensor per unit. Coalesced collectives
+    (``reduce_scatter_bucket_size_mb``, ``coalesce_all_gather_ops``) are not predicted: None.
+    """
+    settings = dict(config.xla_fsdp_settings)
+    if settings.get("reduce_scatter_bucket_size_mb") or settings.get("coalesce_all_gather_ops"):
+        return None  # coalesced collectives: not predicted (the case is reported, not checked)
+    compute = str(settings.get("compute_dtype") or "").removeprefix("torch.")
+    gather_size = _ITEMSIZE.get(compute)
+    multiple = 128 * world_size
+    a = grad_accum
+    out = {k: {"count": 0, "bytes": [0, 0], "why": []} for k in KINDS}
+    if world_size == 1:
+        return out
+    for u in units:
+        if not u["params"]:
+            continue
+        name = u["path"] or "<root>"
+        resharded = config.reshard_after_forward and u["path"] != ""
+        grads = set(u["with_grad"])
+        tensors = u["params"]
+        if settings.get("flatten_parameters"):  # one flat tensor per unit
+            tensors = [["<flat>", [sum(math.prod(t[1]) for t in tensors)], tensors[0][2]]]
+            grads = {"<flat>"} if grads else set()
+        before = out["all_gather"]["count"]
+        for pname, shape, size in tensors:
+            if resharded:
+                n_gather = a * (2 if u["in_backward"] else 1)
+            else:
+                n_gather = 1 if u["in_backward"] and pname in grads else a
+            n = math.prod(shape)
+            padded = -(-n // multiple) * multiple
+            if settings.get("shard_param_on_dim_0"):  # dim 0 padded to a multiple of the world size
+                padded = max(padded, _padded(shape, world_size)[1])
+            g = gather_size or size
+            out["all_gather"]["count"] += n_gather
+            out["all_gather"]["bytes"][0] += n_gather * n * g
+            out["all_gather"]["bytes"][1] += n_gather * padded * g
+            if pname in grads:
+                out["reduce_scatter"]["count"] += 1
+                out["reduce_scatter"]["bytes"][0] += n * size
+                out["reduce_scatter"]["bytes"][1] += padded * size
+        out["all_gather"]["why"].append(f"{name} {out['all_gather']['count'] - before}")
+        if grads:
+            out["reduce_scatter"]["why"].append(f"{name} {len(grads)}")
+    return out
+
+
 #: communication_pattern -> the prediction of a step's collectives
-#: (XLA FSDP's pattern is recorded and reported, not yet predicted: torch_xla 2.9 gathers each tensor
-#: once more in backward for a unit whose forward returns several tensors, see the README)
-PREDICTIONS = {"fsdp": expected_fsdp}
+PREDICTIONS = {"fsdp": expected_fsdp, "xla_fsdp": expected_xla_fsdp}
 
 
 def check(observed: list[list[dict[str, Any]]], expected: dict[str, dict[str, Any]]) -> list[str]:

@@ -26,6 +26,12 @@ autograd ancestor of the first). Users cannot change their model's outputs, so s
    different modules and XLA aborted the process at a rendezvous. Fix: the set forgets an id once
    the object it was recorded for is gone (:class:`LiveIds`).
 
+4. Wasted all-gathers. The second output's pre-backward hook (bug 1) re-gathers the parameters
+   whose post-backward hook already ran, only for fix 1 to free them: communication that no
+   computation uses (the suite's communication check counted 2 extra all-gathers per step for each
+   two-output unit). Fix: a unit past its post-backward hooks (``BACKWARD_POST``) does not rebuild
+   its full parameters; fix 1 stays, as the guard that nothing is left gathered.
+
 All touch torch_xla private members; :func:`check_private_api` verifies they exist, and
 ``VERIFIED`` names the torch_xla releases the fixes were verified on (parity with eager CPU over
 every unit shape of the conformance suite).
@@ -89,6 +95,17 @@ def fsdp_class() -> type:
             for m in self.modules():
                 if isinstance(m, FSDP):
                     m._output_pre_backward_hook_registered = live
+
+        def _rebuild_full_params(self, *args: Any, **kwargs: Any) -> Any:
+            # fix 4: once this unit's post-backward hooks ran (BACKWARD_POST), its parameters'
+            # gradients are final and no later backward op reads them; the pre-backward hook of a
+            # further output would gather them again only for fix 1 to free them (2 all-gathers
+            # per step for each two-output unit of the conformance suite, which no one used)
+            from torch_xla.distributed.fsdp.xla_fully_sharded_data_parallel import TrainingState
+
+            if self.training_state == TrainingState.BACKWARD_POST:
+                return None
+            return super()._rebuild_full_params(*args, **kwargs)
 
         def _register_pre_backward_hooks(self, outputs: Any) -> Any:
             registered = self._output_pre_backward_hook_registered

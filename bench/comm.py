@@ -56,7 +56,6 @@ CONFIGS = {
     "bf16_params": (2, {"mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}),
     "hsdp_2x2": (4, {"dp_replicate_size": 2, "dp_shard_size": 2}),
 }
-_SIZE = {"float32": 4, "bfloat16": 2}
 
 
 def minimum(model: torch.nn.Module, config: dict, world_size: int) -> int:
@@ -64,12 +63,13 @@ def minimum(model: torch.nn.Module, config: dict, world_size: int) -> int:
     import shardcore
     from shardcore.plan import build_plan
     from shardcore.validate import data_parallel_shape
+    from shardcore_conformance.comm import itemsize
 
     cfg = shardcore.parse_config(config)
     replicas, shards = data_parallel_shape(cfg, world_size)
     mp = cfg.mixed_precision
-    gather = _SIZE[mp.param_dtype] if mp and mp.param_dtype else 4
-    reduce = _SIZE[mp.reduce_dtype or mp.param_dtype] if mp else 4
+    gather = (itemsize(mp.param_dtype) if mp else None) or 4
+    reduce = (itemsize(mp.reduce_dtype or mp.param_dtype) if mp else None) or 4
     params = dict(model.named_parameters())
     plan = build_plan(model, cfg)
     total = 0

@@ -185,6 +185,7 @@ shard_configs = st.dictionaries(
 @example({"auto_wrap_policy": "NO_WRAP", "activation_checkpointing": True})
 @example({"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 10**400})
 @example({"timeout": 10**400})
+@example({"torch_compile": True})
 def test_shard_accepts_or_names_the_key(raw):
     cfg, err = _parse(raw)
     if cfg is not None and cfg.backend_name not in ("fsdp2",):
@@ -202,5 +203,11 @@ def test_shard_accepts_or_names_the_key(raw):
         return
     assert err is None, f"parse_config refused {_r(raw)} ({err}) but shard() accepted it"
     assert shardcore.handle(out).config == cfg
-    loss = out(torch.randn(2, 13)).float().sum()
-    loss.backward()
+    compiled = any(getattr(m, "_shardcore_compiled", False) for m in out.modules())
+    assert compiled == cfg.torch_compile, cfg
+    # a compiled forward would run inductor here (g++ processes, tens of seconds), which belongs to
+    # the multiprocess tier (tests/test_compile.py, the conformance compile family); this oracle is
+    # about the config, so the forward runs the compiled units' code eagerly
+    with torch.compiler.set_stance("force_eager"):
+        loss = out(torch.randn(2, 13)).float().sum()
+        loss.backward()

@@ -323,7 +323,13 @@ def _tensors(x: Any) -> list[torch.Tensor]:
     return []
 
 
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+def itemsize(dtype_name: str | None) -> int | None:
+    """Bytes per element of a dtype named as ``ShardConfig`` names them (``"bfloat16"``); None: None."""
+    return getattr(torch, dtype_name).itemsize if dtype_name else None
+
+
+def _empty_expectation() -> dict[str, dict[str, Any]]:
+    return {k: {"count": 0, "bytes": [0, 0], "why": []} for k in KINDS}
 
 
 def _padded(shape: list[int], shards: int) -> tuple[int, int]:
@@ -345,12 +351,12 @@ def expected_fsdp(
 
     replicas, shards = data_parallel_shape(config, world_size)
     mp = config.mixed_precision
-    gather_size = _ITEMSIZE[mp.param_dtype] if mp is not None and mp.param_dtype else None
+    gather_size = itemsize(mp.param_dtype) if mp is not None else None
     reduce_dtype = (mp.reduce_dtype or mp.param_dtype) if mp is not None else None
-    reduce_size = _ITEMSIZE[reduce_dtype] if reduce_dtype else None
+    reduce_size = itemsize(reduce_dtype)
     reshard = config.reshard_after_forward
     a = grad_accum
-    out = {k: {"count": 0, "bytes": [0, 0], "why": []} for k in KINDS}
+    out = _empty_expectation()
 
     def add(kind: str, count: int, lo: int, hi: int, why: str) -> None:
         if count:
@@ -410,10 +416,10 @@ def expected_xla_fsdp(
     if settings.get("reduce_scatter_bucket_size_mb") or settings.get("coalesce_all_gather_ops"):
         return None  # coalesced collectives: not predicted (the case is reported, not checked)
     compute = str(settings.get("compute_dtype") or "").removeprefix("torch.")
-    gather_size = _ITEMSIZE.get(compute)
+    gather_size = itemsize(compute or None)
     multiple = 128 * world_size
     a = grad_accum
-    out = {k: {"count": 0, "bytes": [0, 0], "why": []} for k in KINDS}
+    out = _empty_expectation()
     if world_size == 1:
         return out
     for u in units:

@@ -217,7 +217,7 @@ def _unit_facts(case: Case, model: nn.Module, runtime: LocalRuntime) -> list[dic
     from shardcore.plan import build_plan
 
     plan = build_plan(model, shardcore.parse_config(case.config))
-    batch = _micro_batches(next(iter(make_batches(case.model, 1, case.global_batch, case.seed))), case.grad_accum)[0]
+    batch = _micro_batches(make_batches(case.model, 1, case.global_batch, case.seed)[0], case.grad_accum)[0]
     return autograd_facts(model, plan, lambda m: loss_fn(case.model, m, runtime.local_batch(batch)).backward())
 
 
@@ -230,7 +230,8 @@ def _every_rank(runtime: Any, steps: list[Any]) -> list[Any]:
 class _CompileCounter:
     """Graphs dynamo compiled in each optimizer step (``torch._dynamo``'s ``unique_graphs``). A
     compiled case starts from empty dynamo caches, so that earlier cases in this process neither
-    count nor use up the recompile limit of ``Module._call_impl`` that every compiled unit shares."""
+    count nor use up the recompile limit of a unit class's ``forward``, whose code every case that
+    compiles that class shares (with cached code, a case would compile nothing and fail the check)."""
 
     def __init__(self, case: Case) -> None:
         import shardcore

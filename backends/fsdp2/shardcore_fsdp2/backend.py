@@ -222,7 +222,7 @@ class FSDP2Backend(
         data_parallel_shape(config, dist.get_world_size())
         if config.cpu_ram_efficient_loading:
             check_rank0_weights(
-                model, dist.get_rank(), self.broadcast_object, loading.all_gather_object, weights_later=True
+                model, dist.get_rank(), self.broadcast_object, self.all_gather_object, weights_later=True
             )
 
     # -- helpers --------------------------------------------------------------------------------

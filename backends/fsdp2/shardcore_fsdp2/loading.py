@@ -92,12 +92,6 @@ def take_rank0_weights(model: nn.Module) -> tuple[dict[str, Any], dict[str, torc
     return state, buffers
 
 
-def all_gather_object(obj: Any) -> list[Any]:
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def broadcast_buffers(model: nn.Module, rank0_buffers: dict[str, torch.Tensor], device: torch.device) -> None:
     """Non-persistent buffers (rotary ``inv_freq``...) are in no state dict: send rank 0's to all."""
     for fqn, buf in non_persistent_buffers(model).items():

@@ -55,7 +55,7 @@ class XlaFsdpBackend(XlaBackendBase):
         if self._threads is not None:
             settings.check_cpu_fsdp_settings(config)
         if self._from_rank0(config):
-            check_rank0_weights(model, self.world().rank, self.broadcast_object, self._ranks.all_gather_object)
+            check_rank0_weights(model, self.world().rank, self.broadcast_object, self.all_gather_object)
         elif self._threads is not None:
             fsdp.check_same_model(model, self._threads)
 

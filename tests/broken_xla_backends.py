@@ -3,6 +3,8 @@ suite catches each. Loaded as ``broken_xla_backends:<Class>`` with tests/ on the
 
 from __future__ import annotations
 
+import contextlib
+
 from shardcore_xla import SpmdBackend, XlaFsdpBackend
 
 
@@ -39,3 +41,83 @@ class HSDPReplicasShareRows(SpmdBackend):
         replicas = dict(zip(self._mesh.axis_names, self._mesh.mesh_shape)).get("replicate", 1)
         first = {k: v[: v.shape[0] // replicas].repeat((replicas,) + (1,) * (v.dim() - 1)) for k, v in batch.items()}
         return super().local_batch(first)
+
+
+@contextlib.contextmanager
+def _batch_spec(spec):
+    """SPMD's batch annotation (inputs, and outputs through ``shard_output``) replaced by ``spec``."""
+    from shardcore_xla import spmd
+
+    saved = spmd.batch_spec
+    spmd.batch_spec = spec
+    try:
+        yield
+    finally:
+        spmd.batch_spec = saved
+
+
+class _BatchSpec(SpmdBackend):
+    """SPMD with its own batch annotation, on inputs and forward outputs alike."""
+
+    @staticmethod
+    def spec(mesh, t):
+        raise NotImplementedError
+
+    def _wrap(self, model, plan, config):
+        wrapped = super()._wrap(model, plan, config)
+        for m in wrapped.modules():  # the root and every FSDPv2 unit annotate their outputs
+            if getattr(m, "_shard_output", None) is not None:
+                m._shard_output = self._annotated(m._shard_output)
+        return wrapped
+
+    def _annotated(self, shard_output):
+        def annotated(output, mesh):
+            with _batch_spec(self.spec):
+                return shard_output(output, mesh)
+
+        return annotated
+
+    def local_batch(self, batch):
+        with _batch_spec(self.spec):
+            return super().local_batch(batch)
+
+
+class ReplicatedBatch(_BatchSpec):
+    """SPMD whose batch is replicated: every device computes the whole batch. The numbers are
+    right; gradients need no sum across devices, and the run is data-parallel in name only."""
+
+    name = "xla-broken-replicated-batch"
+
+    @staticmethod
+    def spec(mesh, t):
+        return (None,) * t.dim()
+
+
+class HSDPBatchOverShardsOnly(_BatchSpec):
+    """SPMD HSDP whose batch is split over ``fsdp`` alone: every replica computes the same rows
+    (the program still sees every row, so the numbers are right), and gradients never cross replicas."""
+
+    name = "xla-broken-hsdp-shards-only"
+
+    @staticmethod
+    def spec(mesh, t):
+        return ("fsdp",) + (None,) * (t.dim() - 1)
+
+
+class ReplicatedParameters(SpmdBackend):
+    """SPMD FSDPv2 whose parameters are annotated replicated before wrapping (FSDPv2 leaves an
+    annotated parameter as it is): plain data parallelism, right numbers, no parameter sharded."""
+
+    name = "xla-broken-replicated-parameters"
+
+    def _wrap(self, model, plan, config):
+        import torch_xla
+        import torch_xla.distributed.spmd as xs
+
+        from shardcore_xla import spmd
+
+        mesh = spmd.mesh(self._mesh, spmd.shape(config)[0])
+        model = spmd.to_device_keeping_ties(model, torch_xla.device())
+        for p in model.parameters():
+            xs.mark_sharding(p, mesh, (None,) * p.dim())
+        return super()._wrap(model, plan, config)

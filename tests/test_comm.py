@@ -2,7 +2,7 @@
 rule, on hand-made plans: what FSDP-style sharding must communicate per optimizer step."""
 
 from shardcore import parse_config
-from shardcore_conformance.comm import check, expected_fsdp
+from shardcore_conformance.comm import KINDS, check, expected_fsdp
 
 
 def _units(frozen_first: bool = False):
@@ -87,7 +87,7 @@ def test_check_names_rank_step_kind_and_each_units_share():
 
 
 def test_collectives_are_read_from_torch_xla_hlo_text():
-    from shardcore_conformance.comm import hlo_collectives
+    from shardcore_conformance.xla_comm import hlo_collectives
 
     text = "\n".join(
         [
@@ -100,13 +100,54 @@ def test_collectives_are_read_from_torch_xla_hlo_text():
         ]
     )
     got = hlo_collectives(text, world_size=2)
-    assert got["all_gather"] == {"count": 2, "bytes": 256 * 4 + 512 * 2, "group_sizes": [2]}
-    assert got["reduce_scatter"] == {"count": 1, "bytes": 256 * 4, "group_sizes": [2]}
+    assert got["all_gather"] == {"count": 2, "bytes": 256 * 4 + 512 * 2, "group_sizes": [2], "groups": [[0, 1]]}
+    assert got["reduce_scatter"] == {"count": 1, "bytes": 256 * 4, "group_sizes": [2], "groups": [[0, 1]]}
     assert got["all_reduce"]["count"] == 0  # a group of one rank moves nothing
 
 
+def test_replica_groups_in_xla_compact_form():
+    """``[G,S]<=[dims]T(perm)``: XLA's iota form, as the partitioner prints groups across a 2-D mesh."""
+    from shardcore_conformance.xla_comm import hlo_collectives
+
+    line = "  %a = f32[8]{0} all-reduce(f32[8]{0} %x), replica_groups=%s, to_apply=%add"
+    rows = hlo_collectives(line.replace("%s", "[2,2]<=[4]"), world_size=4)["all_reduce"]
+    columns = hlo_collectives(line.replace("%s", "[2,2]<=[2,2]T(1,0)"), world_size=4)["all_reduce"]
+    every = hlo_collectives(line.replace("%s", "[1,4]<=[4]"), world_size=4)["all_reduce"]
+    assert (rows["groups"], columns["groups"], every["groups"]) == ([[0, 1]], [[0, 2]], [[0, 1, 2, 3]])
+
+
+def _spmd_step(**groups: list[list[int]]) -> dict:
+    return {k: {"count": len(groups.get(k, [])), "bytes": 8, "groups": groups.get(k, [])} for k in KINDS}
+
+
+def test_spmd_floors_need_gathers_along_fsdp_and_gradient_sums_over_the_batch():
+    """The partitioner's choices are free; what the config forces is checked: parameters gathered
+    along ``fsdp``, gradients summed over the shards and (HSDP) across replicas, every group an axis."""
+    from shardcore_conformance.xla_comm import expected_spmd
+
+    plain = expected_spmd(_units(), parse_config({"xla": True, "xla_fsdp_v2": True}), 2, 1)
+    assert plain.check([[_spmd_step(all_gather=[[0, 1]], all_reduce=[[0, 1]])]]) == []
+    (msg,) = plain.check([[_spmd_step(all_gather=[[0, 1]])]])  # every device computed the whole batch
+    assert msg.startswith("communication differs at step 0: no all_reduce or reduce_scatter along fsdp or all")
+    assert "sum over the 2 shards" in msg
+    (msg,) = plain.check([[_spmd_step(all_reduce=[[0, 1]])]])  # parameters kept whole
+    assert "no all_gather along fsdp or all" in msg
+
+    hsdp = expected_spmd(_units(), parse_config({"xla": True, "xla_fsdp_v2": True, "dp_replicate_size": 2}), 4, 1)
+    rows, columns = [[0, 1]], [[0, 2]]  # fsdp (a replica's shards), replicate (one shard's replicas)
+    assert hsdp.check([[_spmd_step(all_gather=rows, reduce_scatter=rows, all_reduce=columns)]]) == []
+    assert hsdp.check([[_spmd_step(all_gather=rows, all_reduce=[[0, 1, 2, 3]])]]) == []
+    (msg,) = hsdp.check([[_spmd_step(all_gather=rows, all_reduce=rows)]])  # replicas never meet
+    assert "no all_reduce or reduce_scatter along replicate or all" in msg and "2 replicas" in msg
+    (msg,) = hsdp.check([[_spmd_step(all_gather=[[0, 3]], all_reduce=[[0, 1, 2, 3]])]])
+    assert "all_gather over devices [0, 3], which is no axis of the 2 x 2 mesh" in msg
+    frozen = [{**u, "with_grad": []} for u in _units()]
+    frozen = expected_spmd(frozen, parse_config({"xla": True, "xla_fsdp_v2": True}), 2, 1)
+    assert frozen.check([[_spmd_step(all_gather=[[0, 1]])]]) == []  # nothing to reduce
+
+
 def test_xla_fsdp_gathers_each_tensor_padded_to_128_per_rank():
-    from shardcore_conformance.comm import expected_xla_fsdp
+    from shardcore_conformance.xla_comm import expected_xla_fsdp
 
     xla = parse_config({"xla": True})
     e = expected_xla_fsdp(_units(), xla, world_size=2, grad_accum=1)
@@ -127,7 +168,7 @@ def test_xla_fsdp_gathers_each_tensor_padded_to_128_per_rank():
 
 
 def test_xla_fsdp_settings_that_change_the_pattern():
-    from shardcore_conformance.comm import expected_xla_fsdp
+    from shardcore_conformance.xla_comm import expected_xla_fsdp
 
     flat = parse_config({"xla": True, "xla_fsdp_settings": {"flatten_parameters": True}})
     e = expected_xla_fsdp(_units(), flat, 2, 1)  # one flat tensor per unit

@@ -37,8 +37,8 @@ def test_spmd_fsdpv2_parity_on_2_cpu_devices():
     ]
     result = run_suite(cases, "xla", world_size=2, case_timeout=300)
     _assert_ok(result)
-    # the partitioner inserts SPMD's collectives when it compiles: not recorded, and said so
-    assert all(v.comm_pattern == "spmd" and not v.comm for v in result.verdicts)
+    # read from the partitioned program, and checked against what the config forces
+    assert all(v.comm_pattern == "spmd" and v.comm_checked and v.comm["all_gather"]["count"] for v in result.verdicts)
 
 
 def _xla_fsdp_cases() -> list:
@@ -172,3 +172,17 @@ def test_hsdp_replicas_training_on_the_same_rows_are_caught():
     )
     assert not result.ok and len(result.verdicts) == 2
     assert all("loss differs at step 0" in " ".join(v.reasons) for v in result.verdicts)
+
+
+@pytest.mark.multiprocess
+def test_spmd_that_trains_right_with_whole_parameters_fails_the_communication_check():
+    """Numbers right, communication wrong: parameters annotated replicated before FSDPv2 wraps them
+    (it leaves them so) train as plain data parallelism, on 2 devices and under HSDP 2 x 2. The
+    partitioned program then gathers nothing along ``fsdp``."""
+    plain = run_suite([Case("xla-whole-params", "llama", V2)], "broken_xla_backends:ReplicatedParameters", world_size=2)
+    hsdp = run_suite(_hsdp_cases("hsdp2x2-llama"), "broken_xla_backends:ReplicatedParameters", world_size=4)
+    for result in (plain, hsdp):
+        (v,) = result.verdicts
+        assert not v.ok and v.comm_checked and v.max_param_diff <= v.tolerance["param_atol"], v.reasons
+        assert v.reasons and all(r.startswith("communication differs") for r in v.reasons), v.reasons
+        assert "no all_gather along fsdp or all" in v.reasons[0], v.reasons

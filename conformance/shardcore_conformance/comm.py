@@ -30,9 +30,8 @@ that holds parameters (the root too):
   own), the gradients that exist in the reduce dtype; the all-reduce moves one shard. Each may
   exceed that by at most the padding of dim 0 to a multiple of the shard count.
 
-XLA FSDP (``communication_pattern = "xla_fsdp"``) is read from each rank's traced graph
-(:class:`XlaGraphRecorder`) and predicted by :func:`expected_xla_fsdp`; SPMD's collectives are
-inserted by the partitioner at compile time and are not recorded (:func:`recorder_for`).
+XLA FSDP and SPMD are read from the HLO torch_xla lowers the step to, and predicted and checked
+as their own patterns (:mod:`.xla_comm`).
 
 Which units the backward reaches and which parameters get a gradient are properties of the model
 (frozen layers, unused parameters), read from the single-device reference run
@@ -45,7 +44,6 @@ import contextlib
 import functools
 import inspect
 import math
-import re
 import threading
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -155,89 +153,27 @@ class CommRecorder:
             self._step = None
 
 
-class XlaGraphRecorder:
-    """XLA FSDP: the collectives in each rank's own traced graph of the step. After the step's last
-    backward, the gradients' pending graph (every forward and backward of the step, micro-batches
-    included) is lowered to HLO text by torch_xla (``_XLAC._get_xla_tensors_hlo``), and its
-    ``all-gather``, ``reduce-scatter`` and ``all-reduce`` instructions are counted with the bytes of
-    their full-size tensors. Per rank: each device traces its own graph, also when the devices are
-    threads of one process (torch_xla's counters are process-wide)."""
-
-    def __init__(self, world_size: int) -> None:
-        self.steps: list[dict[str, dict[str, Any]]] = []
-        self.world_size = world_size
-
-    def install(self) -> "XlaGraphRecorder":
-        return self
-
-    def uninstall(self) -> None:
-        pass
-
-    def begin_step(self) -> None:
-        self.steps.append(_empty_step())
-
-    def recording(self) -> Any:
-        return contextlib.nullcontext()
-
-    def after_backward(self, model: nn.Module) -> None:
-        import torch_xla
-
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        text = torch_xla._XLAC._get_xla_tensors_hlo(grads) if grads else ""
-        self.steps[-1] = hlo_collectives(text, self.world_size)
-
-
-_HLO_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s64": 8, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1}
-_HLO_OP = re.compile(r"=\s*(.*?)\s(all-gather|reduce-scatter|all-reduce)\((.*)$")
-_HLO_SHAPE = re.compile(r"\b(f64|f32|bf16|f16|s64|s32|u32|s8|u8|pred)\[([\d,]*)\]")
-_HLO_GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
-
-
-def _shape_bytes(text: str) -> int:
-    """Bytes of the non-scalar shapes in ``text`` (a scalar is a collective's token, not data)."""
-    total = 0
-    for dtype, dims in _HLO_SHAPE.findall(text):
-        if dims:
-            total += math.prod(int(d) for d in dims.split(",")) * _HLO_BYTES[dtype]
-    return total
-
-
-def hlo_collectives(text: str, world_size: int) -> dict[str, dict[str, Any]]:
-    """Counts and full-size bytes of the collectives in HLO ``text``: an all-gather's result, a
-    reduce-scatter's operands, an all-reduce's result. Groups of one rank are not communication."""
-    step = _empty_step()
-    kinds = {"all-gather": "all_gather", "reduce-scatter": "reduce_scatter", "all-reduce": "all_reduce"}
-    for line in text.splitlines():
-        m = _HLO_OP.search(line)
-        if m is None:
-            continue
-        result, op, rest = m.groups()
-        groups = _HLO_GROUPS.search(rest)
-        size = len(groups.group(1).split(",")) if groups else world_size  # {} means every replica
-        if size == 1:
-            continue
-        operands = rest.split(")", 1)[0]
-        s = step[kinds[op]]
-        s["count"] += 1
-        s["bytes"] += _shape_bytes(operands if op == "reduce-scatter" else result)
-        if size not in s["group_sizes"]:
-            s["group_sizes"].append(size)
-    return step
-
-
 def _empty_step() -> dict[str, dict[str, Any]]:
-    return {k: {"count": 0, "bytes": 0, "group_sizes": []} for k in KINDS}
+    """A step's record per kind. ``groups``: the first replica group of each distinct grouping (the
+    HLO recorders: which devices, not only how many)."""
+    return {k: {"count": 0, "bytes": 0, "group_sizes": [], "groups": []} for k in KINDS}
 
 
 def recorder_for(runtime: Any, world_size: int) -> Any:
-    """How the suite sees a backend's collectives (``communication_pattern``): XLA FSDP in its traced
-    graph (checked with :func:`expected_xla_fsdp`); SPMD not at all (the partitioner inserts its collectives when it compiles, after the
-    graph the suite can read); anything else at ``torch.distributed``'s functions."""
+    """How the suite sees a backend's collectives (``communication_pattern``): XLA FSDP in each rank's
+    traced graph, SPMD in the partitioned program (:mod:`.xla_comm`), anything else at
+    ``torch.distributed``'s functions."""
     pattern = getattr(runtime, "communication_pattern", None)
     if pattern == "xla_fsdp":
+        from .xla_comm import XlaGraphRecorder
+
         return XlaGraphRecorder(world_size)
     if pattern == "spmd":
-        return None
+        import torch_xla.runtime as xr
+
+        from .xla_comm import SpmdGraphRecorder
+
+        return SpmdGraphRecorder(xr.global_runtime_device_count()).install()
     return CommRecorder().install()
 
 
@@ -392,77 +328,20 @@ def expected_fsdp(
     return out
 
 
-def expected_xla_fsdp(
-    units: list[dict[str, Any]], config: Any, world_size: int, grad_accum: int
-) -> dict[str, dict[str, Any]] | None:
-    """XLA FSDP (``XlaFullyShardedDataParallel`` as shardcore wraps it: parameters not flattened, no
-    reduce-scatter buckets), per parameter tensor of a unit (the root too), per optimizer step of
-    ``A`` micro-batches:
+def predictions() -> dict[str, Any]:
+    """``communication_pattern`` -> the prediction of a step's collectives from the reference's
+    units, the config, the world size (SPMD: devices) and the accumulation steps."""
+    from .xla_comm import expected_spmd, expected_xla_fsdp
 
-    - all-gathers: a unit resharded after forward (``reshard_after_forward`` and not the root, which
-      XLA FSDP keeps gathered) gathers each tensor in every micro-batch's forward, and again in its
-      backward when the backward reaches it. A unit that is not resharded keeps its tensors gathered
-      across ``no_sync`` micro-batches: once per step, except tensors without a gradient (frozen, or a
-      unit the backward does not reach), which are freed when each backward ends;
-    - reduce-scatters: one per tensor with a gradient per step;
-    - bytes: the all-gather in the compute dtype (``xla_fsdp_settings.compute_dtype``, else the
-      parameter's), the reduce-scatter in the parameter's (the gradient of the full parameter);
-      each tensor flattened and padded to a multiple of 128 x the world size.
-
-    ``flatten_parameters``: one flat tensor per unit. Coalesced collectives
-    (``reduce_scatter_bucket_size_mb``, ``coalesce_all_gather_ops``) are not predicted: None.
-    """
-    settings = dict(config.xla_fsdp_settings)
-    if settings.get("reduce_scatter_bucket_size_mb") or settings.get("coalesce_all_gather_ops"):
-        return None  # coalesced collectives: not predicted (the case is reported, not checked)
-    compute = str(settings.get("compute_dtype") or "").removeprefix("torch.")
-    gather_size = itemsize(compute or None)
-    multiple = 128 * world_size
-    a = grad_accum
-    out = _empty_expectation()
-    if world_size == 1:
-        return out
-    for u in units:
-        if not u["params"]:
-            continue
-        name = u["path"] or "<root>"
-        resharded = config.reshard_after_forward and u["path"] != ""
-        grads = set(u["with_grad"])
-        tensors = u["params"]
-        if settings.get("flatten_parameters"):  # one flat tensor per unit
-            tensors = [["<flat>", [sum(math.prod(t[1]) for t in tensors)], tensors[0][2]]]
-            grads = {"<flat>"} if grads else set()
-        before = out["all_gather"]["count"]
-        for pname, shape, size in tensors:
-            if resharded:
-                n_gather = a * (2 if u["in_backward"] else 1)
-            else:
-                n_gather = 1 if u["in_backward"] and pname in grads else a
-            n = math.prod(shape)
-            padded = -(-n // multiple) * multiple
-            if settings.get("shard_param_on_dim_0"):  # dim 0 padded to a multiple of the world size
-                padded = max(padded, _padded(shape, world_size)[1])
-            g = gather_size or size
-            out["all_gather"]["count"] += n_gather
-            out["all_gather"]["bytes"][0] += n_gather * n * g
-            out["all_gather"]["bytes"][1] += n_gather * padded * g
-            if pname in grads:
-                out["reduce_scatter"]["count"] += 1
-                out["reduce_scatter"]["bytes"][0] += n * size
-                out["reduce_scatter"]["bytes"][1] += padded * size
-        out["all_gather"]["why"].append(f"{name} {out['all_gather']['count'] - before}")
-        if grads:
-            out["reduce_scatter"]["why"].append(f"{name} {len(grads)}")
-    return out
+    return {"fsdp": expected_fsdp, "xla_fsdp": expected_xla_fsdp, "spmd": expected_spmd}
 
 
-#: communication_pattern -> the prediction of a step's collectives
-PREDICTIONS = {"fsdp": expected_fsdp, "xla_fsdp": expected_xla_fsdp}
-
-
-def check(observed: list[list[dict[str, Any]]], expected: dict[str, dict[str, Any]]) -> list[str]:
+def check(observed: list[list[dict[str, Any]]], expected: Any) -> list[str]:
     """Mismatches of every rank's every step against ``expected`` (empty: all match).
-    ``observed[rank][step]`` is a :class:`CommRecorder` step."""
+    ``observed[rank][step]`` is a :class:`CommRecorder` step; ``expected`` the counts and bytes of
+    :func:`expected_fsdp`, or an expectation with its own ``check`` (SPMD's floors)."""
+    if hasattr(expected, "check"):
+        return expected.check(observed)
     problems = []
     for rank, steps in enumerate(observed):
         for i, step in enumerate(steps):

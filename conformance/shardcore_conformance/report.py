@@ -125,14 +125,6 @@ def _communication_table(result: "SuiteResult") -> list[str]:
     backend's pattern is predicted), and the graphs dynamo compiled per step."""
     rows = [v for v in result.verdicts if v.comm]
     if not rows:
-        if any(v.comm_pattern == "spmd" for v in result.verdicts):
-            return [
-                "",
-                "## Communication",
-                "",
-                "Not recorded: under SPMD the partitioner inserts the collectives when it compiles the "
-                "step, after the traced graph the suite reads (which holds none).",
-            ]
         return []
     lines = [
         "",
@@ -141,6 +133,16 @@ def _communication_table(result: "SuiteResult") -> list[str]:
         "Calls and bytes of the full-size tensors (gathered output, unreduced input, all-reduced tensor). "
         "`6 (5)`: observed 6, predicted 5 from the wrap plan and the config; no parentheses: as predicted, "
         "or not predicted for this backend (checked: no).",
+    ]
+    if any(v.comm_pattern == "spmd" for v in rows):
+        lines += [
+            "",
+            "SPMD: the collectives of the program as XLA partitioned it, for every device. Which tensors the "
+            "partitioner gathers and how it fuses or splits reductions is its choice, so counts are not "
+            "predicted; checked: parameters all-gathered along `fsdp`, gradients summed over the shards (and "
+            "across replicas under HSDP), every collective along an axis of the mesh.",
+        ]
+    lines += [
         "",
         "| case | checked | all-gathers | all-gather bytes | reduce-scatters | reduce-scatter bytes | all-reduces | all-reduce bytes | compiled graphs per step |",
         "|---|---|---|---|---|---|---|---|---|",

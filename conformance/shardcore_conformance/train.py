@@ -201,7 +201,8 @@ def run_case(case: Case, backend: Any | None) -> dict[str, Any]:
     else:
         out["comm"] = {
             "pattern": getattr(runtime, "communication_pattern", None),
-            "world_size": world_size,
+            # SPMD: one rank, and its program's collectives run over the devices
+            "world_size": getattr(recorder, "world_size", world_size),
             "ranks": _every_rank(runtime, recorder.steps) if recorder is not None else [],
         }
         out["compile"] = {"graphs_per_step": compiled.graphs_per_step}

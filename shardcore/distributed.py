@@ -50,24 +50,27 @@ def env_world() -> tuple[int, int, int]:
     return rank, size, local
 
 
-def ensure_process_group(timeout_s: float, use_cuda: bool) -> None:
-    """Initialise the default process group if the training script has not done so.
+def ensure_process_group(timeout_s: float, device_type: str) -> None:
+    """Initialise the default process group if the training script has not done so, for ranks on
+    ``device_type`` (:func:`shardcore.devices.requested`): this rank's device is made current
+    (``LOCAL_RANK``) and the group gets that device's backend with gloo beside it for CPU tensors
+    (:func:`shardcore.devices.process_group_backend`).
 
     An existing group must agree with the launcher's RANK / WORLD_SIZE. Once the group has more than
     one rank, each rank records its host and pid, so that a failed collective later says which rank
     was lost (see :func:`describe_peers`)."""
+    from . import devices
+
     if dist.is_initialized():
         _check_existing_group()
+        devices.choose(device_type)
         _watch_peers()
         return
     rank, size, local = env_world()
     timeout = datetime.timedelta(seconds=timeout_s)
-    if use_cuda:
-        torch.cuda.set_device(local)
-        # gloo beside NCCL so that CPU tensors (offloaded state, metadata) can be reduced too
-        backend = "cpu:gloo,cuda:nccl"
-    else:
-        backend = "gloo"
+    backend = devices.process_group_backend(device_type)
+    devices.set_device(device_type, local)
+    devices.choose(device_type)
     try:
         if size == 1 and "MASTER_ADDR" not in os.environ:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
@@ -233,9 +236,15 @@ class TorchDistributedRuntime:
     in ``examples/vendor_backend`` both inherit it; a vendor backend over torch.distributed can too."""
 
     def is_available(self) -> tuple[bool, str]:
+        from . import devices
+
         if not dist.is_available():
             return False, "this torch build has no torch.distributed"
-        return True, "cuda + nccl" if torch.cuda.is_available() else "cpu + gloo"
+        try:
+            t = devices.requested()
+            return True, f"{t} + {devices.process_group_backend(t)}"
+        except DistributedSetupError as e:  # shard() raises it where the group is made
+            return True, f"torch.distributed present, but shard() will refuse: {e}"
 
     def world(self):
         from .backend import World
@@ -280,9 +289,9 @@ class TorchDistributedRuntime:
         return out
 
     def _device(self) -> torch.device:
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        from . import devices
+
+        return devices.current_device()
 
 
 def check_batch_divides(batch: dict[str, Any], parts: int, what: str) -> None:

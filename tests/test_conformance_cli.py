@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from shardcore.devices import cpu_name
 from shardcore_conformance import TOLERANCES, fsdp2_matrix
 
 import harness
@@ -34,6 +36,16 @@ def _run(args, env_extra=None, timeout=420):
     env["PYTHONPATH"] = os.pathsep.join(p for p in (extra.pop("PYTHONPATH", ""), env["PYTHONPATH"]) if p)
     env.update(extra)
     return harness.run([CLI, *args], env=env, timeout=timeout)
+
+
+def _summary(out, verdict: str, counts: str, extra: str = "") -> bool:
+    """The run's last line: ``PASS: fsdp2 on 2 x <device name>: 5/5 passed in 12s; report: ...``."""
+    return (
+        re.search(
+            rf"^{verdict}: \S+ on \d+ x .+: {counts} passed{re.escape(extra)} in \d+s; report: ", out.stdout, re.M
+        )
+        is not None
+    )
 
 
 @pytest.fixture(scope="module")
@@ -72,11 +84,18 @@ def test_cli_runs_cases_and_writes_the_report(fsdp2_matrix_run):
     n = len(fsdp2_matrix())
     pattern = "mlp-transformer-reshard1-ac0,gpt2-transformer-reshard0-ac1,frozen-mlp,buffers-mlp,uneven-mlp,grad_accum-mlp,lr_schedule-mlp,mlp-mp-bf16"
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert f"PASS: {n}/{n} cases passed" in out.stdout
+    assert _summary(out, "PASS", f"{n}/{n}")
     assert f"[{2 * n}/{2 * n}" in out.stderr and "fsdp2 buffers-mlp PASS" in out.stderr  # progress and verdicts
 
     doc = json.loads((tmp_path / "report.json").read_text())
     assert doc["ok"] and doc["backend"] == "fsdp2" and doc["world_size"] == 2 and doc["passed"] == n
+    # what it certifies: the CPU (no accelerator here), each rank's device, the software
+    assert doc["device_type"] == "cpu" and doc["headline"] == f"fsdp2 on 2 x {cpu_name()}: {n}/{n} passed"
+    assert [(h["type"], h["name"]) for h in doc["hardware"]] == [("cpu", cpu_name())] * 2
+    assert {"torch", "transformers"} <= set(doc["versions"])
+    for r in doc["cases"]:  # every case said where it ran
+        want = "cpu"
+        assert r["placement"] == {"batch": [want], "loss": want, "params": [want], "grads": [want]}, r["case"]
     assert doc["tolerances"]["fp32"]["param_atol"] == TOLERANCES["fp32"].param_atol
     rows = {r["case"]: r for r in doc["cases"]}
     assert set(rows) >= set(pattern.split(","))
@@ -99,7 +118,11 @@ def test_cli_runs_cases_and_writes_the_report(fsdp2_matrix_run):
     assert doc["families"]["frozen"]["passed"] == sum(c.family == "frozen" for c in fsdp2_matrix())
 
     md = (tmp_path / "report.md").read_text()
-    assert f"**PASS**: {n}/{n}" in md and "| frozen-mlp | fp32 | pass |" in md and "| bf16 |" in md
+    assert (
+        f"**PASS**: fsdp2 on 2 x {cpu_name()}: {n}/{n} passed" in md
+        and "| frozen-mlp | fp32 | pass |" in md
+        and "| bf16 |" in md
+    )
     pngs = sorted((tmp_path / "plots").glob("*.png"))
     assert {p.name for p in pngs} >= {"loss-mlp.png", "loss-frozen.png", "loss-mixed_precision.png"}
     assert sorted(doc["plots"]) == [str(p.relative_to(tmp_path)) for p in pngs]
@@ -139,7 +162,7 @@ def test_cli_catches_broken_backends(tmp_path, backend, case, expected):
     assert expected in line, line
     if "SumGrads" in backend:
         assert "are gradients averaged across ranks?" in line
-    assert "FAIL: 0/1 cases passed" in out.stdout
+    assert _summary(out, "FAIL", "0/1")
     doc = json.loads((tmp_path / "report.json").read_text())
     assert not doc["ok"] and any(expected in r for r in doc["cases"][0]["reasons"])
     assert "## Failures" in (tmp_path / "report.md").read_text()
@@ -168,7 +191,7 @@ def test_hsdp_on_four_ranks_matches_and_a_missing_replica_all_reduce_is_caught(t
         ["--backend", "broken_backends:SkipsReplicaAllReduceBackend", "--world-size", "4"]
         + ["--cases", "hsdp2x2-mlp,hsdp2x2-llama", "--report", str(tmp_path / "bad"), "--no-plots"]
     )
-    assert bad.returncode == 1 and "FAIL: 0/2 cases passed" in bad.stdout, bad.stdout[-3000:] + bad.stderr[-3000:]
+    assert bad.returncode == 1 and _summary(bad, "FAIL", "0/2"), bad.stdout[-3000:] + bad.stderr[-3000:]
 
 
 @pytest.mark.multiprocess
@@ -186,7 +209,7 @@ def test_xfails_report_known_gaps_apart_and_only_unexpected_failures_fail(tmp_pa
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     (line,) = [x for x in out.stdout.splitlines() if x.startswith("XFAIL clip-llama (expected: local norm VENDOR-1): ")]
     assert "clipping norm differs at step 0" in line, line
-    assert "XPASS uneven-mlp" in out.stdout and "PASS: 1/2 cases passed, 1 expected failures" in out.stdout
+    assert "XPASS uneven-mlp" in out.stdout and _summary(out, "PASS", "1/2", ", 1 expected failures")
     assert "line 4: 'nothing-*' matches no case of this run" in out.stderr
     doc = json.loads((tmp_path / "r" / "report.json").read_text())
     assert doc["ok"] and doc["failed"] == 0
@@ -223,7 +246,7 @@ def test_cli_case_timeout_kills_and_fails(tmp_path):
         timeout=120,
     )
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "did not finish within 5s (timeout)" in out.stdout and "FAIL: 0/1 cases passed" in out.stdout
+    assert "did not finish within 5s (timeout)" in out.stdout and _summary(out, "FAIL", "0/1")
 
 
 @pytest.fixture(scope="module")
@@ -275,7 +298,7 @@ def test_vendor_backend_is_found_by_name_and_passes(vendor_site, tmp_path):
         env_extra=env,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "PASS: 5/5 cases passed" in out.stdout
+    assert _summary(out, "PASS", "5/5")
     doc = json.loads((tmp_path / "report.json").read_text())
     assert doc["supported_keys"] == ["timeout"]
     assert all(r["checkpoint_param_diff"] == 0.0 for r in doc["cases"])

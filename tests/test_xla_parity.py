@@ -186,3 +186,18 @@ def test_spmd_that_trains_right_with_whole_parameters_fails_the_communication_ch
         assert not v.ok and v.comm_checked and v.max_param_diff <= v.tolerance["param_atol"], v.reasons
         assert v.reasons and all(r.startswith("communication differs") for r in v.reasons), v.reasons
         assert "no all_gather along fsdp or all" in v.reasons[0], v.reasons
+
+
+@pytest.mark.multiprocess
+def test_spmd_that_does_not_split_the_batch_fails_the_placement_check():
+    """Numbers right, devices wasted: a replicated batch (every device computes all of it) and, under
+    HSDP, a batch split over the shards only (replicas compute the same rows). The communication
+    does not show it (the partitioner then computes tensor-parallel style); the batch's sharding does."""
+    plain = run_suite([Case("xla-replicated-batch", "llama", V2)], "broken_xla_backends:ReplicatedBatch", world_size=2)
+    hsdp = run_suite(_hsdp_cases("hsdp2x2-llama"), "broken_xla_backends:HSDPBatchOverShardsOnly", world_size=4)
+    for result, n in ((plain, 2), (hsdp, 4)):
+        (v,) = result.verdicts
+        assert not v.ok and v.max_param_diff <= v.tolerance["param_atol"], v.reasons
+        assert len(v.reasons) == 1 and v.reasons[0].startswith(f"the batch is not split over the {n} devices"), (
+            v.reasons
+        )

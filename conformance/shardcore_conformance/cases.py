@@ -9,7 +9,7 @@ keys gets fewer cases, and a key it does not declare is never set.
   ``activation_checkpointing``, ``xla_fsdp_v2``, ``xla_fsdp_grad_ckpt``.
 - Every other key gets its own cases on the default structure (``cpu_offload``,
   ``mixed_precision``, ``xla_fsdp_settings`` compute dtype, ``transformer_layer_cls_to_wrap``,
-  ``state_dict_type``, ``cpu_ram_efficient_loading``, ``timeout``).
+  ``state_dict_type``, ``cpu_ram_efficient_loading``, ``timeout``, ``use_cpu``).
 - Feature cases run for every backend, with only the keys it declares: frozen parameters,
   buffers, uneven shards, gradient accumulation (through ``shardcore.no_sync``), a learning-rate
   schedule.
@@ -227,6 +227,8 @@ def _matrix(backend: Any, world_size: int = 2, dtype: str | None = None) -> list
                 )
     if "timeout" in keys:
         add("mlp-timeout", "mlp", {"timeout": 600}, family="timeout")
+    if "use_cpu" in keys:  # on the CPU whatever the run certifies: the placement check holds it there
+        add("llama-use_cpu", "llama", {"use_cpu": True}, family="device")
 
     # features every backend must get right, whatever keys it declares
     for model, pats in _FROZEN.items():

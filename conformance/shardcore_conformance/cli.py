@@ -36,10 +36,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=2, help="ranks/devices of the sharded run (default: 2)")
     p.add_argument(
         "--device-type",
-        choices=("cpu", "cuda", "xla"),
-        default=None,
-        help="cpu: hide GPUs (gloo); cuda: one GPU per rank (NCCL), reference on a GPU too; "
-        "xla: the backend's XLA devices. Default: whatever the backend picks.",
+        default="auto",
+        metavar="auto|cpu|ACCELERATOR|xla",
+        help="what the run certifies. auto (default): the accelerator torch reports (torch.accelerator), "
+        "the CPU where there is none, xla for the XLA backend; cpu: the CPU (gloo) even where an "
+        "accelerator is present; an accelerator type (cuda, xpu, hpu, mps, a PrivateUse1 name): one device "
+        "per rank, its distributed backend, the reference on that device too; xla: the backend's XLA "
+        "devices. Every case fails that ran elsewhere.",
     )
     p.add_argument(
         "--cases",
@@ -81,6 +84,29 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _device_problem(device_type: str, world_size: int) -> str | None:
+    """Why this machine cannot run ``world_size`` ranks on ``device_type`` (None: it can)."""
+    if device_type in ("cpu", "xla"):
+        return None
+    import torch
+
+    try:
+        torch.device(device_type)
+    except RuntimeError:
+        return f"--device-type {device_type!r} is no torch device type; use auto, cpu, xla or an accelerator type (cuda, xpu, ...)"
+    from shardcore.devices import accelerator
+
+    have = accelerator()
+    if have != device_type:
+        return f"--device-type {device_type}, but torch reports " + (
+            f"the accelerator {have!r}" if have else "no accelerator (torch.accelerator.is_available() is False)"
+        )
+    count = torch.accelerator.device_count()
+    if count < world_size:
+        return f"--device-type {device_type} --world-size {world_size}, but torch sees only {count} {device_type} device(s)"
+    return None
+
+
 def _error(msg: str) -> int:
     print(f"shardcore-conformance: error: {msg}", file=sys.stderr)
     return EXIT_USAGE
@@ -88,7 +114,7 @@ def _error(msg: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.device_type != "xla":
+    if args.device_type not in ("xla", "auto"):
         # Transformers would start an XLA runtime in this process and in every worker otherwise
         os.environ.setdefault("USE_TORCH_XLA", "0")
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
@@ -143,19 +169,16 @@ def main(argv: list[str] | None = None) -> int:
         return _error(
             f"backend {args.backend!r} is not available here: {reason}. Install it with: {backend.install_hint}"
         )
-    if args.device_type == "cuda":
-        import torch
+    from .hardware import resolve
 
-        if not torch.cuda.is_available():
-            return _error("--device-type cuda, but torch sees no CUDA device here")
-        if torch.cuda.device_count() < args.world_size:
-            return _error(
-                f"--device-type cuda --world-size {args.world_size}, but only {torch.cuda.device_count()} CUDA devices"
-            )
+    device_type = resolve(args.device_type, args.backend)
+    problem = _device_problem(device_type, args.world_size)
+    if problem:
+        return _error(problem)
 
     t0 = time.time()
     print(
-        f"shardcore-conformance: backend {args.backend!r}, world size {args.world_size}, {len(cases)} cases "
+        f"shardcore-conformance: backend {args.backend!r} on {device_type}, world size {args.world_size}, {len(cases)} cases "
         f"(each once on one device and once sharded), case timeout {args.case_timeout:g}s",
         file=sys.stderr,
     )
@@ -165,11 +188,10 @@ def main(argv: list[str] | None = None) -> int:
         args.world_size,
         case_timeout=args.case_timeout,
         report_dir=args.report,
-        device_type=args.device_type,
+        device_type=device_type,
         plots=not args.no_plots,
         expected_failures=expected_failures,
     )
-    passed = sum(v.ok for v in result.verdicts)
     for v in result.failures():
         print(f"FAIL {v.case}: {'; '.join(v.reasons)}")
     for v in result.expected():
@@ -178,8 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"XPASS {v.case}: passed although --xfails expects it to fail ({expected_failures[v.case]})")
     xf = f", {len(result.expected())} expected failures" if result.expected() else ""
     print(
-        f"{'PASS' if result.ok else 'FAIL'}: {passed}/{len(result.verdicts)} cases passed{xf} in {time.time() - t0:.0f}s "
-        f"(backend {args.backend}, world size {args.world_size}); report: {os.path.join(args.report, 'report.md')}"
+        f"{'PASS' if result.ok else 'FAIL'}: {result.headline()}{xf} in {time.time() - t0:.0f}s; "
+        f"report: {os.path.join(args.report, 'report.md')}"
     )
     return EXIT_OK if result.ok else EXIT_MISMATCH
 

@@ -165,6 +165,7 @@ def compare(
     if config is not None:
         _compare_communication(v, ref, got, config, grad_accum)
         _compare_compilation(v, got, config)
+        _compare_placement(v, got, config)
     return v
 
 
@@ -198,6 +199,18 @@ def _compare_communication(
         }
         for k in KINDS
     }
+
+
+def _compare_placement(v: Verdict, got: dict[str, Any], config: dict[str, Any]) -> None:
+    from shardcore import parse_config
+
+    from .hardware import placement_problems
+
+    placement = got.get("placement")
+    if placement:
+        spmd = got.get("comm", {}).get("pattern") == "spmd"
+        for problem in placement_problems(placement, parse_config(config), spmd):
+            _fail(v, problem)
 
 
 def _compare_compilation(v: Verdict, got: dict[str, Any], config: dict[str, Any]) -> None:

@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import platform
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .cases import Case, covered_keys
 from .compare import TOLERANCES, Verdict
+from .hardware import versions
 
 if TYPE_CHECKING:
     from .suite import SuiteResult
@@ -49,8 +51,11 @@ def family_summary(result: "SuiteResult", cases: list[Case]) -> dict[str, dict[s
 
 
 def _case_row(v: Verdict, c: Case, ref: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
+    ranks = got.get("placement", {}).get("ranks") or [{}]
     return {
         **v.to_dict(),
+        # rank 0: where its batch, loss, parameters and gradients lived (XLA: the batch's sharding)
+        "placement": {k: w for k, w in ranks[0].items() if k != "hardware"},
         "family": c.family,
         "model": c.model,
         "config": c.config,
@@ -98,6 +103,11 @@ def write_report(result: "SuiteResult", cases: list[Case], out: Path, plots: boo
         "backend": result.backend,
         "world_size": result.world_size,
         "device_type": result.device_type,
+        "headline": result.headline(),
+        "hardware": result.hardware(),
+        "devices": result.placement().get("devices"),
+        "versions": versions(),
+        "pjrt_device": os.environ.get("PJRT_DEVICE") if result.device_type == "xla" else None,
         "ok": result.ok,
         "passed": passed,
         "failed": len(result.failures()),
@@ -118,6 +128,30 @@ def write_report(result: "SuiteResult", cases: list[Case], out: Path, plots: boo
     (out / "report.md").write_text(_markdown(result, families, coverage, uncovered, plot_files, out))
     log.info("report written to %s", out)
     return [out / "report.json", out / "report.md", *plot_files]
+
+
+def _hardware_section(result: "SuiteResult") -> list[str]:
+    """What this report certifies: the device type requested, each rank's device, the software."""
+    p = result.placement()
+    lines = [
+        "## Hardware",
+        "",
+        f"Device type requested: `{result.device_type}`; world size {result.world_size}"
+        + (f", {p['devices']} devices" if p.get("devices") and p["devices"] != result.world_size else "")
+        + ". Every case checked that its batches, loss, parameters and gradients lived on it.",
+        "",
+        "| rank | type | index | name | runtime |",
+        "|---|---|---|---|---|",
+    ]
+    for rank, h in enumerate(result.hardware()):
+        lines.append(
+            f"| {rank} | {h.get('type', '?')} | {'' if h.get('index') is None else h['index']} | {h.get('name', '?')} "
+            f"| {h.get('runtime', '')} |"
+        )
+    pjrt = {"PJRT_DEVICE": os.environ.get("PJRT_DEVICE", "unset")} if result.device_type == "xla" else {}
+    software = {**versions(), **pjrt}
+    lines += ["", "Software: " + ", ".join(f"{k} {v}" for k, v in software.items()), ""]
+    return lines
 
 
 def _communication_table(result: "SuiteResult") -> list[str]:
@@ -166,14 +200,13 @@ def _g(x: float) -> str:
 
 
 def _markdown(result, families, coverage, uncovered, plot_files, out: Path) -> str:
-    n, passed = len(result.verdicts), sum(v.ok for v in result.verdicts)
-    dev = f", device type {result.device_type}" if result.device_type else ""
     expected = f", {len(result.expected())} expected failures" if result.expected() else ""
     lines = [
-        f"# shardcore conformance: backend `{result.backend}`, world size {result.world_size}{dev}",
+        f"# shardcore conformance: {result.headline()}",
         "",
-        f"**{'PASS' if result.ok else 'FAIL'}**: {passed}/{n} cases passed{expected} in {result.seconds:.0f}s.",
+        f"**{'PASS' if result.ok else 'FAIL'}**: {result.headline()}{expected}, in {result.seconds:.0f}s.",
         "",
+        *_hardware_section(result),
     ]
     if not result.ok:
         lines += ["## Failures", ""]

@@ -13,12 +13,11 @@ from typing import Any
 
 from .cases import Case, supported_keys
 from .compare import Verdict, compare
+from .hardware import DEVICE_ENV, resolve
 from .launch import run_cases
 from .train import PROGRESS_ENV, REFERENCE_DEVICE_ENV, SCRATCH_ENV
 
 log = logging.getLogger(__name__)
-
-DEVICE_TYPES = ("cpu", "cuda", "xla")
 
 
 @dataclass
@@ -48,21 +47,48 @@ class SuiteResult:
         """Failed cases that were expected to fail (they do not fail the run)."""
         return [v for v in self.verdicts if not v.ok and v.case in self.expected_failures]
 
+    def placement(self) -> dict[str, Any]:
+        """What the sharded run ran on (the first case that reports it): ``requested`` device type,
+        ``devices`` and per rank ``hardware``."""
+        for c in self.cases:
+            p = self.sharded.get(c.name, {}).get("placement")
+            if p and p.get("ranks"):
+                return p
+        return {}
+
+    def hardware(self) -> list[dict[str, Any]]:
+        """Each rank's device as torch reported it: type, index, name, runtime."""
+        return [r.get("hardware", {}) for r in self.placement().get("ranks", [])]
+
+    def headline(self) -> str:
+        """``fsdp2 on 2 x <device name>: 74/74 passed``."""
+        n = self.placement().get("devices") or self.world_size
+        names = sorted({h.get("name", "?") for h in self.hardware()}) or [self.device_type or "?"]
+        where = f"{n} x {names[0]}" if len(names) == 1 else f"{n} devices ({', '.join(names)})"
+        return f"{self.backend} on {where}: {sum(v.ok for v in self.verdicts)}/{len(self.verdicts)} passed"
+
     def unexpected_passes(self) -> list[Verdict]:
         """Cases expected to fail that passed: the expectation is stale."""
         return [v for v in self.verdicts if v.ok and v.case in self.expected_failures]
 
 
-def device_env(device_type: str | None) -> dict[str, str]:
-    """Worker environment for a device type: ``cpu`` hides GPUs (FSDP2 then uses gloo), ``cuda``
-    runs the reference on the GPU too and makes cuBLAS deterministic, ``xla`` is the backend's own."""
-    if device_type is None or device_type == "xla":
-        return {}
+def device_env(device_type: str) -> dict[str, str]:
+    """Worker environment for a resolved device type (:func:`.hardware.resolve`): the type every
+    case is checked against, ``SHARDCORE_DEVICE`` for the backend under test, and the reference on
+    the same accelerator. ``cpu`` also hides GPUs; ``cuda`` makes cuBLAS deterministic; ``xla`` is
+    the backend's own (``PJRT_DEVICE``)."""
+    from shardcore.devices import DEVICE_ENV as SHARDCORE_DEVICE
+
+    env = {DEVICE_ENV: device_type}
+    if device_type == "xla":
+        return env
+    env[SHARDCORE_DEVICE] = device_type
     if device_type == "cpu":
-        return {"CUDA_VISIBLE_DEVICES": ""}
+        return {**env, "CUDA_VISIBLE_DEVICES": ""}
+    env[REFERENCE_DEVICE_ENV] = device_type
     if device_type == "cuda":
-        return {REFERENCE_DEVICE_ENV: "cuda", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-    raise ValueError(f"device_type must be one of {', '.join(DEVICE_TYPES)}, got {device_type!r}")
+        env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    return env
 
 
 def run_suite(
@@ -79,8 +105,10 @@ def run_suite(
     """Run every case on the single-device reference and on ``backend`` with ``world_size`` ranks,
     compare them, and (with ``report_dir``) write report.json, report.md and the loss plots there.
     ``expected_failures`` (case -> reason, see :mod:`.xfails`) are reported apart and do not make
-    the result fail. Progress (case k of n, elapsed seconds, verdicts) is logged at INFO."""
+    the result fail. ``device_type``: what the run certifies (None or ``auto``: what torch reports,
+    ``xla`` for an XLA backend). Progress (case k of n, elapsed seconds, verdicts) is logged at INFO."""
     t0 = time.time()
+    device_type = resolve(device_type, backend)
     n = len(cases)
     reference: dict[str, dict[str, Any]] = {}
     verdicts: dict[str, Verdict] = {}

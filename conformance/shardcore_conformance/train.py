@@ -32,6 +32,7 @@ from shardcore.ties import retie_like
 
 from .cases import Case
 from .comm import autograd_facts, recorder_for
+from .hardware import DEVICE_ENV, hardware
 from .models import build_model, forward_output, loss_fn, make_batches, probe_batch
 
 #: environment variables the suite sets for its workers
@@ -131,7 +132,10 @@ def run_case(case: Case, backend: Any | None) -> dict[str, Any]:
     frozen = freeze(model, case.frozen)
     recorder = compiled = None
     if backend is None:
-        runtime: Any = LocalRuntime()
+        import shardcore
+
+        # a case that trains on the CPU whatever the run certifies (use_cpu) is compared with the CPU
+        runtime: Any = LocalRuntime("cpu" if shardcore.parse_config(case.config).use_cpu else None)
         model.to(runtime.device)
         world_size = 1
         units = _unit_facts(case, model, runtime)
@@ -154,6 +158,7 @@ def run_case(case: Case, backend: Any | None) -> dict[str, Any]:
     compute_dtype = _reference_compute_dtype(case) if backend is None else None
     step_end = runtime.step_end if isinstance(runtime, StepEnd) else None  # lazy tensors: cut the step's graph
     losses, grad_norms, clip_norms, lrs = [], [], [], []
+    placement: dict[str, Any] | None = None
     for batch in make_batches(case.model, case.steps, case.global_batch, case.seed):
         step_loss = None
         micros = _micro_batches(batch, case.grad_accum)
@@ -165,13 +170,18 @@ def run_case(case: Case, backend: Any | None) -> dict[str, Any]:
             counting = recorder.recording() if recorder is not None else contextlib.nullcontext()
             with counting, _accumulating(model, backend, last=i == len(micros) - 1):
                 if compute_dtype is None:
-                    loss = loss_fn(case.model, model, runtime.local_batch(micro))
+                    local = runtime.local_batch(micro)
+                    loss = loss_fn(case.model, model, local)
+                    if placement is None:
+                        placement = _placement_of(local, loss)
                     (loss / case.grad_accum).backward()
                 else:
                     loss = _low_precision_step(case, model, runtime.local_batch(micro), compute_dtype)
             step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
         if recorder is not None:
             recorder.after_backward(model)
+        if placement is not None and "params" not in placement:
+            placement.update(_model_placement(model))
         gsq = global_grad_sq_sum(runtime, model, step_loss.device)
         clip_norm = _clip(case, model, backend)
         lrs.append(float(opt.param_groups[0]["lr"]))
@@ -206,9 +216,50 @@ def run_case(case: Case, backend: Any | None) -> dict[str, Any]:
             "ranks": _every_rank(runtime, recorder.steps) if recorder is not None else [],
         }
         out["compile"] = {"graphs_per_step": compiled.graphs_per_step}
+        out["placement"] = {
+            "requested": os.environ.get(DEVICE_ENV, ""),
+            "devices": _device_count(runtime),
+            "ranks": _every_rank(runtime, {**(placement or {}), "hardware": hardware(runtime.world().device)}),
+        }
         out["checkpoint"] = checkpoint_round_trip(case, model, runtime, state, probe, step_end)
     _note_progress(case, backend, runtime, time.time() - t0)
     return out
+
+
+def _types(tensors: Any) -> list[str]:
+    return sorted({t.device.type for t in tensors})
+
+
+def _placement_of(batch: dict[str, torch.Tensor], loss: torch.Tensor) -> dict[str, Any]:
+    """Where the step's inputs and loss lived, and (XLA) how the inputs were sharded over the devices."""
+    out: dict[str, Any] = {"batch": _types(batch.values()), "loss": loss.device.type}
+    if any(t.device.type == "xla" for t in batch.values()):
+        import torch_xla
+
+        out["batch_sharding"] = sorted({torch_xla._XLAC._get_xla_sharding_spec(t) for t in batch.values()})
+    return out
+
+
+def _model_placement(model: nn.Module) -> dict[str, Any]:
+    """Where this rank's parameters and gradients lived (a DTensor's local shard)."""
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    params = list(model.parameters())
+    return {
+        "params": _types(local(p) for p in params),
+        "grads": _types(local(p.grad) for p in params if p.grad is not None),
+    }
+
+
+def _device_count(runtime: Any) -> int:
+    """Devices the sharded run spans: SPMD's one rank drives them all."""
+    if getattr(runtime, "communication_pattern", None) == "spmd":
+        import torch_xla.runtime as xr
+
+        return xr.global_runtime_device_count()
+    return runtime.world().size
 
 
 def _unit_facts(case: Case, model: nn.Module, runtime: LocalRuntime) -> list[dict[str, Any]]:

@@ -299,6 +299,7 @@ VALIDATORS = {
     "torch_compile_fullgraph": as_bool,
     "torch_compile_dynamic": _optional_bool,
     "torch_compile_regional": as_bool,
+    "use_cpu": as_bool,
 }
 # A field without a validator would surface as a KeyError in the parser instead of a ShardConfigError.
 assert set(VALIDATORS) == FIELD_NAMES

@@ -85,6 +85,9 @@ class ShardConfig:
     torch_compile_fullgraph: bool = False
     torch_compile_dynamic: bool | None = None
     torch_compile_regional: bool = True
+    # TrainingArguments' and an accelerate YAML's use_cpu: train on the CPU even where torch reports
+    # an accelerator (the explicit way; shardcore never falls back to the CPU on its own)
+    use_cpu: bool = False
     explicit: frozenset[str] = field(default_factory=frozenset, compare=False, repr=False)
 
     @property

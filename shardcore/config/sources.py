@@ -40,7 +40,7 @@ _ACCELERATE_LAUNCHER_KEYS = {
     "tpu_env",
     "tpu_use_cluster",
     "tpu_use_sudo",
-    "use_cpu",
+    "use_cpu",  # read: use_cpu
     "fsdp_config",
     "parallelism_config",
     "dynamo_config",  # read: torch_compile and its settings
@@ -163,6 +163,8 @@ def _from_accelerate_yaml(text: str, path: Path) -> dict[str, Any]:
         raw.setdefault("xla", True)
     raw.update(parallelism_keys(data.get("parallelism_config"), f"accelerate config {path}"))
     raw.update(dynamo_keys(data.get("dynamo_config"), f"accelerate config {path}"))
+    if "use_cpu" in data:
+        raw["use_cpu"] = data["use_cpu"]
     return raw
 
 
@@ -237,6 +239,8 @@ def _from_training_arguments(args: Any) -> dict[str, Any]:
             "FSDP guide). Keep fsdp_config's activation_checkpointing only.",
         )
     raw.update(parallelism_keys(getattr(args, "parallelism_config", None), "TrainingArguments.parallelism_config"))
+    if getattr(args, "use_cpu", False) or getattr(args, "no_cuda", False):  # no_cuda: its name before 4.38
+        raw.setdefault("use_cpu", True)
     if getattr(args, "torch_compile", False):
         raw.setdefault("torch_compile", True)
         for key in ("torch_compile_backend", "torch_compile_mode"):

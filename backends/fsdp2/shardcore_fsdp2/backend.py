@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardcore import safe_dcp
+from shardcore import devices, safe_dcp
 from shardcore.capabilities import (
     GlobalGradSquares,
     GradClipping,
@@ -53,7 +53,7 @@ class FSDP2Backend(
     name = "fsdp2"
     #: the conformance suite checks each step's collectives against FSDP's per-unit pattern
     communication_pattern = "fsdp"
-    install_hint = "pip install 'torch>=2.6' && pip install -e backends/fsdp2"
+    install_hint = "pip install 'torch>=2.9' && pip install -e backends/fsdp2"
     supported_keys = frozenset(
         {
             "reshard_after_forward",
@@ -74,6 +74,7 @@ class FSDP2Backend(
             "torch_compile_fullgraph",
             "torch_compile_dynamic",
             "torch_compile_regional",
+            "use_cpu",
         }
     )
 
@@ -90,7 +91,10 @@ class FSDP2Backend(
         try:
             from torch.distributed.fsdp import fully_shard  # noqa: F401
         except ImportError:
-            return False, f"torch {torch.__version__} has no public torch.distributed.fsdp.fully_shard (needs >= 2.6)"
+            return (
+                False,
+                f"torch {torch.__version__} has no public torch.distributed.fsdp.fully_shard (shardcore needs >= 2.9)",
+            )
         return ok, reason
 
     def apply(self, model: nn.Module, plan: WrapPlan, config: ShardConfig) -> nn.Module:
@@ -101,7 +105,7 @@ class FSDP2Backend(
         if config.mixed_precision is not None:
             kwargs["mp_policy"] = MixedPrecisionPolicy(**config.mixed_precision.torch_dtypes())
         if config.cpu_offload:
-            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self._device().type != "cpu")
         # cpu_ram_efficient_loading: shard on the meta device, then fill the shards, either from the
         # checkpoint later (every rank built the model without weights) or from rank 0's weights now
         empty = config.cpu_ram_efficient_loading and self.broadcast_object(weights_state(model) == "empty")
@@ -218,7 +222,7 @@ class FSDP2Backend(
     def validate_model(self, model: nn.Module, plan: WrapPlan, config: ShardConfig) -> None:
         """cpu_ram_efficient_loading: rank 0 holds the weights and every rank's model matches it,
         checked with collectives before sharding, one verdict on every rank."""
-        ensure_process_group(config.timeout, torch.cuda.is_available())
+        ensure_process_group(config.timeout, devices.requested(config.use_cpu))
         data_parallel_shape(config, dist.get_world_size())
         if config.cpu_ram_efficient_loading:
             check_rank0_weights(
@@ -232,12 +236,12 @@ class FSDP2Backend(
         each replica group of ``dp_shard_size`` ranks, gradients all-reduced across the replicas."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        ensure_process_group(config.timeout, torch.cuda.is_available())
+        ensure_process_group(config.timeout, devices.requested(config.use_cpu))
         shape = data_parallel_shape(config, dist.get_world_size())
         # a script may destroy the process group and start another (another size): the mesh follows
         if self._mesh is None or self._mesh_group is not dist.group.WORLD or self._mesh_shape != shape:
             self._mesh_group, self._mesh_shape = dist.group.WORLD, shape
-            device_type = "cuda" if torch.cuda.is_available() else "cpu"
+            device_type = devices.chosen()
             if shape[0] == 1:
                 self._mesh = init_device_mesh(device_type, (shape[1],), mesh_dim_names=("fsdp",))
             else:

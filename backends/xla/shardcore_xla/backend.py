@@ -45,6 +45,7 @@ class XLABackend(ConfigResolved, ConfigValidation, Launcher, DeviceLaunch):
     install_hint = XlaBackendBase.install_hint
     supported_keys = XlaBackendBase.supported_keys
     unsupported_reasons = XlaBackendBase.unsupported_reasons
+    device_type = XlaBackendBase.device_type
 
     def __init__(self) -> None:
         self._by_v2 = {False: XlaFsdpBackend(), True: SpmdBackend()}

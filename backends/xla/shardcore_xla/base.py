@@ -54,6 +54,8 @@ class XlaBackendBase(
     mode-specific methods (validation, batches, clipping, accumulation, SHARDED checkpoints, launch)."""
 
     name = "xla"
+    #: the device type every rank runs on, whatever torch.accelerator reports
+    device_type = "xla"
     install_hint = "pip install torch==2.9.0 torch_xla==2.9.0 && pip install -e backends/xla"
     supported_keys = frozenset(
         {
@@ -80,6 +82,8 @@ class XlaBackendBase(
         "torch_compile": _no_compile,
         "torch_compile_backend": _no_compile,
         "torch_compile_mode": _no_compile,
+        "use_cpu": "XLA runs on the PJRT device of the environment, not on a device shardcore picks: set "
+        "PJRT_DEVICE=CPU to run XLA on the CPU.",
     }
 
     @property

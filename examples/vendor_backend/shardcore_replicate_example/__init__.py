@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardcore import devices
 from shardcore.capabilities import GlobalGradSquares, GradClipping
 from shardcore.config import ShardConfig
 from shardcore.distributed import TorchDistributedRuntime, ensure_process_group
@@ -31,7 +32,7 @@ class ReplicateBackend(TorchDistributedRuntime, GradClipping, GlobalGradSquares)
 
     def apply(self, model: nn.Module, plan: WrapPlan, config: ShardConfig) -> nn.Module:
         # the plan says which modules would be units; replication needs none of them
-        ensure_process_group(config.timeout, torch.cuda.is_available())
+        ensure_process_group(config.timeout, devices.requested())
         model.to(self._device())
         size = dist.get_world_size()
         with torch.no_grad():

@@ -7,7 +7,7 @@ PYTHON ?= python3
 STAMP  := $(VENV)/.shardcore-installed
 DEPS   := requirements.txt pyproject.toml backends/fsdp2/pyproject.toml backends/xla/pyproject.toml conformance/pyproject.toml
 
-.PHONY: setup demo lint format test test-fast fuzz conformance conformance-xla clean
+.PHONY: setup setup-newest demo lint format test test-pinned test-newest test-fast fuzz conformance conformance-xla clean
 
 setup: $(STAMP)
 
@@ -37,8 +37,36 @@ format: setup
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-test: lint
+# Both environments: the pinned one (torch 2.9.0 with torch_xla), then the newest torch.
+test: test-pinned test-newest
+
+test-pinned: lint
 	$(PY) -m pytest -q -rs --durations=25 tests
+
+# The newest torch this machine installs, beside the pinned one (torch_xla 2.9 needs torch 2.9.0, so
+# this venv has no XLA backend): the core and FSDP2 tests that start no process, and the FSDP2
+# conformance matrix in fp32 at 2 ranks. The torch wheel comes from this machine's /opt/wheels where
+# it lies there, else from PyTorch's CPU index; uv caches it like the pinned environment's wheels.
+NEWEST_VENV  ?= .venv-newest
+NEWEST_TORCH ?= 2.13.0+cpu
+NEWEST_LINKS ?= $(if $(wildcard /opt/wheels/torch-$(NEWEST_TORCH)-*),/opt/wheels,https://download.pytorch.org/whl/cpu/torch/)
+NEWEST_STAMP := $(NEWEST_VENV)/.shardcore-installed
+
+setup-newest: $(NEWEST_STAMP)
+
+$(NEWEST_STAMP): $(DEPS)
+	test -x $(NEWEST_VENV)/bin/python || $(PYTHON) -m venv $(NEWEST_VENV)
+	$(NEWEST_VENV)/bin/python -m pip install -q uv==$(UV_VERSION)
+	grep -v -e '^torch==' -e '^torch_xla==' requirements.txt > $(NEWEST_VENV)/requirements.txt
+	$(NEWEST_VENV)/bin/uv pip install --python $(NEWEST_VENV)/bin/python --compile-bytecode \
+	  --find-links $(NEWEST_LINKS) "torch==$(NEWEST_TORCH)" -r $(NEWEST_VENV)/requirements.txt
+	$(NEWEST_VENV)/bin/uv pip install --python $(NEWEST_VENV)/bin/python --no-deps -e . -e backends/fsdp2 -e conformance
+	touch $@
+
+test-newest: setup-newest
+	USE_TORCH_XLA=0 $(NEWEST_VENV)/bin/python -m pytest -q -rs -m "not multiprocess" tests
+	USE_TORCH_XLA=0 $(NEWEST_VENV)/bin/shardcore-conformance --backend fsdp2 --world-size 2 --dtype fp32 \
+	  --no-plots -q --report conformance-report/torch-newest
 
 # Every test that starts no process (tests/process_guard.py fails collection when a test that
 # launches one lacks the multiprocess marker), so it stays fast enough to run after each edit.
@@ -63,4 +91,4 @@ conformance-xla: setup
 	done; exit $$status
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(NEWEST_VENV)

@@ -100,10 +100,14 @@ def machine() -> dict[str, Any]:
         "torch": torch.__version__,
         "platform": platform.platform(),
     }
-    if torch.cuda.is_available():
-        out["gpu"] = torch.cuda.get_device_name(0)
-        out["gpus"] = torch.cuda.device_count()
-        out["cuda"] = torch.version.cuda
+    if device_type() != "cpu":
+        from shardcore.devices import describe
+
+        d = describe(torch.device(device_type(), 0))
+        out["accelerator"], out["accelerator_name"] = d["type"], d["name"]
+        out["accelerators"] = torch.accelerator.device_count()
+        if "runtime" in d:
+            out["accelerator_runtime"] = d["runtime"]
     from importlib import metadata
 
     for dist in ("transformers", "torch_xla"):
@@ -168,3 +172,25 @@ def run_ranks(
                 if p.is_alive():
                     p.kill()
         return [json.loads((Path(tmp) / f"{r}.json").read_text()) for r in range(world_size)]
+
+
+def device_type() -> str:
+    """The accelerator torch reports here (``torch.accelerator``: cuda, xpu, hpu, mps, ...), else cpu."""
+    from shardcore.devices import accelerator
+
+    return accelerator() or "cpu"
+
+
+def rank_device(rank: int) -> torch.device:
+    """Rank ``rank``'s device, made current: the accelerator's device ``rank``, else the CPU."""
+    t = device_type()
+    if t == "cpu":
+        return torch.device("cpu")
+    torch.accelerator.set_device_index(rank)
+    return torch.device(t, rank)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (the CPU has none)."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)

@@ -41,7 +41,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import LLAMA_SIZES, batch, build_llama, run_ranks, summary, write_result  # noqa: E402
+from _common import (  # noqa: E402
+    LLAMA_SIZES,
+    batch,
+    build_llama,
+    device_type,
+    rank_device,
+    run_ranks,
+    summary,
+    synchronize,
+    write_result,
+)
 
 CONFIG = {"version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "reshard_after_forward": True}
 VARIANTS = ("no_sync", "every")
@@ -86,10 +96,7 @@ def fsdp2_rank(rank: int, world_size: int, size: str, accum: int, steps: int, wa
     import shardcore
 
     torch.set_num_threads(threads)
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
+    device = rank_device(rank)
     models = {k: shardcore.shard(build_llama(size).to(device), CONFIG) for k in VARIANTS}
     sc = shardcore.handle(models["no_sync"])
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
@@ -106,11 +113,12 @@ def fsdp2_rank(rank: int, world_size: int, size: str, accum: int, steps: int, wa
 
     # FSDP2 looks these up on torch.distributed at call time
     dist.reduce_scatter_tensor = counting(dist.reduce_scatter_tensor)
+    if hasattr(dist, "reduce_scatter_single"):  # newer torch: FSDP2 calls it, the old name delegates
+        dist.reduce_scatter_single = counting(dist.reduce_scatter_single)
     dist.all_reduce = counting(dist.all_reduce)
 
     def sync():
-        if cuda:
-            torch.cuda.synchronize()
+        synchronize(device)
         dist.barrier()
 
     def data(i):
@@ -127,7 +135,7 @@ def fsdp2_rank(rank: int, world_size: int, size: str, accum: int, steps: int, wa
 
 
 def run_fsdp2(size: str, accum: int, steps: int, warmup: int, world_size: int = 2) -> dict:
-    threads = max(1, (os.cpu_count() or 2) // world_size) if not torch.cuda.is_available() else 4
+    threads = max(1, (os.cpu_count() or 2) // world_size) if device_type() == "cpu" else 4
     per_rank = run_ranks(fsdp2_rank, world_size, (size, accum, steps, warmup, threads), timeout_s=1800)
     return _report(
         "fsdp2",
@@ -137,7 +145,7 @@ def run_fsdp2(size: str, accum: int, steps: int, warmup: int, world_size: int = 
         steps,
         warmup,
         "reduce_scatter_tensor + all_reduce calls",
-        "cuda" if torch.cuda.is_available() else "cpu",
+        device_type(),
     )
 
 

@@ -67,10 +67,11 @@ def worker(model_dir: str, warmup_dir: str, mode: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from shardcore.devices import requested
     from shardcore.distributed import ensure_process_group
 
     torch.set_num_threads(1)
-    ensure_process_group(600, torch.cuda.is_available())
+    ensure_process_group(600, requested())
     rank = dist.get_rank()
     # the same calls on a tiny model first, so that imports and one-time set-up are not counted
     _load(mode, warmup_dir)

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import LLAMA_SIZES, batch, build_llama, run_ranks, write_result  # noqa: E402
+from _common import LLAMA_SIZES, batch, build_llama, device_type, rank_device, run_ranks, write_result  # noqa: E402
 
 CONFIG = {"version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}
 KINDS = ("params", "grads", "adamw_state")
@@ -45,8 +45,7 @@ def memory_rank(rank: int, world_size: int, size: str) -> dict:
     import shardcore
 
     torch.set_num_threads(1)
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    device = rank_device(rank)
     model = shardcore.shard(build_llama(size).to(device), CONFIG)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model(**batch(size, 0, rank, device)).loss.backward()
@@ -58,8 +57,8 @@ def memory_rank(rank: int, world_size: int, size: str) -> dict:
         "grads": _storage_bytes(p.grad for p in params),
         "adamw_state": _storage_bytes(state),
     }
-    if cuda:
-        out["cuda_memory_allocated"] = torch.cuda.memory_allocated(device)
+    if device.type != "cpu":
+        out["accelerator_memory_allocated"] = torch.accelerator.memory_allocated(device)
     return out
 
 
@@ -74,8 +73,8 @@ def run(size: str, world_sizes: list[int], timeout_s: float = 900) -> dict:
     }
     rows = []
     for ws in world_sizes:
-        if torch.cuda.is_available() and ws > torch.cuda.device_count():
-            rows.append({"world_size": ws, "skipped": f"{torch.cuda.device_count()} GPU(s)"})
+        if device_type() != "cpu" and ws > torch.accelerator.device_count():
+            rows.append({"world_size": ws, "skipped": f"{torch.accelerator.device_count()} {device_type()} device(s)"})
             continue
         per_rank = run_ranks(memory_rank, ws, (size,), timeout_s=timeout_s)
         est = shardcore.estimate_memory(full_model, ws)
@@ -100,7 +99,7 @@ def run(size: str, world_sizes: list[int], timeout_s: float = 900) -> dict:
         )
     return {
         "model": {"size": size, **LLAMA_SIZES[size], "params": sum(p.numel() for p in full_model.parameters())},
-        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "device": device_type(),
         "config": CONFIG,
         "full_bytes": full,
         "rows": rows,

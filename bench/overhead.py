@@ -35,7 +35,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import LLAMA_SIZES, batch, build_llama, run_ranks, summary, write_result  # noqa: E402
+from _common import (  # noqa: E402
+    LLAMA_SIZES,
+    batch,
+    build_llama,
+    device_type,
+    rank_device,
+    run_ranks,
+    summary,
+    synchronize,
+    write_result,
+)
 
 CONFIG = {"version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "reshard_after_forward": True}
 
@@ -69,11 +79,10 @@ def fsdp2_rank(rank: int, world_size: int, size: str, steps: int, warmup: int, t
     import shardcore
 
     torch.set_num_threads(threads)
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
+    from shardcore.devices import process_group_backend
+
+    device = rank_device(rank)
+    dist.init_process_group(process_group_backend(device.type))
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("fsdp",))
 
     models = {
@@ -83,8 +92,7 @@ def fsdp2_rank(rank: int, world_size: int, size: str, steps: int, warmup: int, t
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
 
     def sync():
-        if cuda:
-            torch.cuda.synchronize()
+        synchronize(device)
         dist.barrier()
 
     times: dict[str, list[float]] = {k: [] for k in models}
@@ -99,7 +107,7 @@ def fsdp2_rank(rank: int, world_size: int, size: str, steps: int, warmup: int, t
                 cpu[k].append(c)
     # the same numbers, or the comparison compares different work (CUDA: atomics in backward make
     # near-zero gradients differ slightly, and AdamW turns that into steps of up to lr)
-    atol = 1e-3 if cuda else 1e-7
+    atol = 1e-3 if device.type != "cpu" else 1e-7
     for (a, pa), (b, pb) in zip(models["shardcore"].named_parameters(), models["hand"].named_parameters()):
         assert a == b and torch.allclose(pa.full_tensor(), pb.full_tensor(), rtol=1e-5, atol=atol), (
             f"parameters diverged at {a}"
@@ -109,7 +117,7 @@ def fsdp2_rank(rank: int, world_size: int, size: str, steps: int, warmup: int, t
 
 
 def run_fsdp2(size: str, steps: int, warmup: int, world_size: int = 2, timeout_s: float = 1200) -> dict:
-    threads = max(1, (os.cpu_count() or 2) // world_size) if not torch.cuda.is_available() else 4
+    threads = max(1, (os.cpu_count() or 2) // world_size) if device_type() == "cpu" else 4
     per_rank = run_ranks(fsdp2_rank, world_size, (size, steps, warmup, threads), timeout_s=timeout_s)
     times = per_rank[0]["wall"]  # every rank's step ends in a barrier: rank 0's times are the world's
     sc, hand = times["shardcore"], times["hand"]
@@ -119,7 +127,7 @@ def run_fsdp2(size: str, steps: int, warmup: int, world_size: int = 2, timeout_s
     return {
         "backend": "fsdp2",
         "world_size": world_size,
-        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "device": device_type(),
         "model": {"size": size, **LLAMA_SIZES[size]},
         "steps": steps,
         "warmup": warmup,

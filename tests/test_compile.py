@@ -115,6 +115,7 @@ def test_what_is_compiled_units_or_the_root():
     assert compile_targets(model, build_plan(model, on), parse_config({})) == []
 
 
+@pytest.mark.xla
 def test_xla_refuses_torch_compile_and_says_why():
     with pytest.raises(UnsupportedKeyError, match="already compiles each step's whole graph"):
         shardcore.shard(torch.nn.Linear(2, 2), {"xla": True, "torch_compile": True})

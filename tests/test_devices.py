@@ -25,6 +25,10 @@ def accelerator(monkeypatch):
 
     def report(device_type: str, count: int = 2) -> list[int]:
         chosen: list[int] = []
+        if device_type in ("hpu", "privateuseone"):
+            # no vendor plugin here (torch 2.13's testing "fake" backend, which accelerate's import
+            # registers for hpu, is not one)
+            dist.Backend.default_device_backend_map.pop(device_type, None)
         monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
         monkeypatch.setattr(
             torch.accelerator, "current_accelerator", lambda check_available=False: torch.device(device_type)
@@ -146,6 +150,10 @@ def test_use_cpu_comes_from_every_source(tmp_path):
 
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
     assert shardcore.parse_config(args).use_cpu
+
+
+@pytest.mark.xla
+def test_xla_refuses_use_cpu_and_says_how_to_run_on_the_cpu():
     with pytest.raises(UnsupportedKeyError, match="PJRT_DEVICE=CPU"):
         shardcore.shard(torch.nn.Linear(2, 2), {"xla": True, "use_cpu": True})
 
@@ -215,3 +223,17 @@ def test_a_run_certifying_an_accelerator_fails_every_case_that_trained_on_the_cp
         "parameters on cpu, expected xpu; gradients on cpu, expected xpu"
     ]
     assert use_cpu.ok, use_cpu.reasons
+
+
+def test_the_benchmarks_run_on_the_accelerator_torch_reports(accelerator, monkeypatch):
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import _common
+    import gpu
+
+    chosen = accelerator("xpu")
+    assert _common.device_type() == "xpu" and _common.rank_device(1) == torch.device("xpu", 1) and chosen == [1]
+    assert gpu.peak_tflops("AMD Instinct MI300X") == 1307.4 and gpu.peak_tflops("Intel Data Center GPU Max") is None
+    assert "gpu" in sys.modules

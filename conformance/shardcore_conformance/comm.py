@@ -7,7 +7,8 @@ wrappers that bypass the sharding hooks. Counts and bytes can.
 
 Recording (:class:`CommRecorder`): the sharded worker wraps ``torch.distributed``'s collectives
 (``all_gather_into_tensor``, ``all_gather``, ``reduce_scatter_tensor``, ``reduce_scatter``,
-``all_reduce``: what FSDP2 and DDP-style backends call) and counts, while the training step's
+``all_reduce``, and newer torch's ``all_gather_single`` and ``reduce_scatter_single``: what FSDP2 and
+DDP-style backends call) and counts, while the training step's
 forward and backward run (not the suite's own metric reductions), each call and the bytes of the
 full-size tensor it moves: the gathered output of an all-gather, the unreduced input of a
 reduce-scatter, the tensor of an all-reduce. That is the ZeRO papers' measure, so one step of
@@ -56,6 +57,9 @@ KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 _WRAPPED = {
     "all_gather_into_tensor": ("all_gather", "output_tensor"),
     "all_gather": ("all_gather", "tensor_list"),
+    # newer torch's names (2.13 here), which its FSDP2 calls; the older names delegate to them
+    "all_gather_single": ("all_gather", "output_tensor"),
+    "reduce_scatter_single": ("reduce_scatter", "input"),
     "reduce_scatter_tensor": ("reduce_scatter", "input"),
     "reduce_scatter": ("reduce_scatter", "input_list"),
     "all_reduce": ("all_reduce", "tensor"),
@@ -94,7 +98,9 @@ class CommRecorder:
             CommRecorder._active.uninstall()
         CommRecorder._active = self
         for name, spec in _WRAPPED.items():
-            original = getattr(c10d, name)
+            original = getattr(c10d, name, None)
+            if original is None:  # a name this torch does not have
+                continue
             wrapper = self._wrap(original, *spec)
             for mod in (dist, c10d):
                 self._saved[(mod, name)] = getattr(mod, name)

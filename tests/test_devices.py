@@ -141,6 +141,27 @@ def test_use_cpu_trains_on_the_cpu_where_an_accelerator_is_reported(accelerator,
     assert {p.device.type for p in model.parameters()} == {"cpu"}
 
 
+def test_use_cpu_after_a_model_on_the_accelerator_gets_a_cpu_mesh(tiny_llama):
+    """On a GPU the conformance suite's use_cpu case trained on the GPU: the process's first model
+    had built a CUDA mesh, and the backend reused it (same group, same shape) for the use_cpu model,
+    so fully_shard moved its parameters to the GPU. The mesh now follows the device type."""
+    import copy
+
+    backend = shardcore.get_backend("fsdp2")
+    shardcore.shard(copy.deepcopy(tiny_llama), {})
+    cached = backend._mesh
+
+    class AcceleratorMesh:  # the mesh as the first model left it on a GPU machine
+        device_type = "cuda"
+
+        def __getattr__(self, name):
+            return getattr(cached, name)
+
+    backend._mesh = AcceleratorMesh()
+    model = shardcore.shard(tiny_llama, {"use_cpu": True})
+    assert backend._mesh.device_type == "cpu" and {p.device.type for p in model.parameters()} == {"cpu"}
+
+
 def test_use_cpu_comes_from_every_source(tmp_path):
     yaml = tmp_path / "accelerate.yaml"
     yaml.write_text("distributed_type: FSDP\nuse_cpu: true\nfsdp_config:\n  fsdp_version: 2\n")

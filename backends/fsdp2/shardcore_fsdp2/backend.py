@@ -238,10 +238,17 @@ class FSDP2Backend(
 
         ensure_process_group(config.timeout, devices.requested(config.use_cpu))
         shape = data_parallel_shape(config, dist.get_world_size())
-        # a script may destroy the process group and start another (another size): the mesh follows
-        if self._mesh is None or self._mesh_group is not dist.group.WORLD or self._mesh_shape != shape:
+        device_type = devices.chosen()
+        # a script may destroy the process group and start another (another size), or shard one model
+        # on the accelerator and the next with use_cpu (gloo serves CPU tensors in the same group): the
+        # mesh follows, since fully_shard moves parameters to the mesh's device type
+        if (
+            self._mesh is None
+            or self._mesh_group is not dist.group.WORLD
+            or self._mesh_shape != shape
+            or self._mesh.device_type != device_type
+        ):
             self._mesh_group, self._mesh_shape = dist.group.WORLD, shape
-            device_type = devices.chosen()
             if shape[0] == 1:
                 self._mesh = init_device_mesh(device_type, (shape[1],), mesh_dim_names=("fsdp",))
             else:

@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
@@ -18,19 +21,26 @@ from .plan import build_plan, estimate_memory
 from .validate import data_parallel_shape
 
 
-def load_model(spec: str) -> nn.Module:
+def load_model(spec: str, meta: bool = True) -> nn.Module:
     """``package.module:factory`` (called with no arguments) or a directory with a Hugging Face
-    ``config.json`` (built with random weights, on the meta device: no weights are read)."""
+    ``config.json`` (built with random weights, on the meta device unless ``meta`` is false, e.g.
+    under ``FakeTensorMode``: no weights are read)."""
     path = Path(spec)
     if path.is_dir() or spec.endswith("config.json"):
         cfg_dir = path if path.is_dir() else path.parent
         if not (cfg_dir / "config.json").is_file():
-            raise ShardcoreError(f"shardcore plan --model: {spec!r} has no config.json.")
+            raise ShardcoreError(
+                f"shardcore plan --model: {spec!r} has no config.json. Give a directory holding a Hugging Face "
+                "config.json, or module:factory."
+            )
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        hf_cfg = AutoConfig.from_pretrained(cfg_dir)
-        with torch.device("meta"):
+        try:
+            hf_cfg = AutoConfig.from_pretrained(cfg_dir)
+        except (ValueError, OSError) as e:
+            raise ShardcoreError(f"shardcore plan --model: {spec!r}: its config.json cannot be read ({e}).") from None
+        with torch.device("meta") if meta else contextlib.nullcontext():
             return AutoModelForCausalLM.from_config(hf_cfg)
     mod_name, sep, attr = spec.partition(":")
     if not sep:
@@ -60,6 +70,11 @@ def _fmt_bytes(n: float) -> str:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     cfg = parse_config(args.config)
+    if cfg.backend_name != "xla":
+        # Transformers would start an XLA runtime in this process otherwise, for nothing
+        os.environ.setdefault("USE_TORCH_XLA", "0")
+    if args.batch_size is not None or args.seq_len is not None or args.fit or args.device_memory:
+        return _plan_peak(args, cfg)
     model = load_model(args.model)
     plan = build_plan(model, cfg)
     # under HSDP each replica group holds one whole copy, sharded over dp_shard_size ranks
@@ -96,6 +111,119 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"  grads       {_fmt_bytes(est.grad_bytes):>12}")
     print(f"  AdamW state {_fmt_bytes(est.optim_bytes):>12}")
     print(f"  total       {_fmt_bytes(est.total):>12}   (unsharded params: {_fmt_bytes(est.full_param_bytes)})")
+    print("(model states only: add --batch-size and --seq-len for the peak with activations)")
+    return 0
+
+
+def _plan_peak(args: argparse.Namespace, cfg: Any) -> int:
+    """The predicted peak (shardcore.planning), the fit against --device-memory, and --fit."""
+    from . import planning
+
+    if args.batch_size is None or args.seq_len is None:
+        raise ShardcoreError("shardcore plan: the peak needs --batch-size (per rank) and --seq-len.")
+    limit = planning.parse_bytes(args.device_memory) if args.device_memory else None
+    if args.fit and limit is None:
+        raise ShardcoreError("shardcore plan --fit: needs --device-memory, the memory of one device (e.g. 80GiB).")
+    load_model(args.model)  # an unknown or unreadable model fails here, before any planning
+
+    def build() -> nn.Module:
+        return load_model(args.model, meta=False)
+
+    allow = tuple(a.strip() for a in args.allow.split(",") if a.strip()) if args.allow else planning.KNOBS
+    if args.fit:
+        found = planning.fit(build, cfg, args.world_size, args.batch_size, args.seq_len, limit, args.optimizer, allow)
+        return _print_fit(args, found, limit)
+    plan = planning.predict(
+        build, cfg, args.world_size, args.batch_size, args.seq_len, args.optimizer, args.global_batch_size
+    )
+    doc = plan.to_dict()
+    if limit is not None and plan.peak_bytes is not None:
+        doc["device_memory"] = limit
+        doc["fits"] = max(plan.peak_bytes, plan.first_step_peak_bytes or 0) <= limit
+        doc["headroom_bytes"] = limit - max(plan.peak_bytes, plan.first_step_peak_bytes or 0)
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return 0
+    print(_describe(plan))
+    if "fits" in doc:
+        verdict = "fits" if doc["fits"] else "does NOT fit"
+        print(
+            f"{verdict} in {planning.format_bytes(limit)} per device: headroom {planning.format_bytes(doc['headroom_bytes'])}"
+        )
+    return 0
+
+
+def _describe(plan: Any) -> str:
+    from .planning import format_bytes
+
+    mesh = (
+        f" (dp_replicate {plan.dp_replicate_size} x dp_shard {plan.dp_shard_size})"
+        if plan.dp_replicate_size > 1
+        else ""
+    )
+    lines = [
+        f"backend {plan.backend} on {plan.device}, world size {plan.world_size}{mesh}, micro-batch {plan.batch_size} x "
+        f"{plan.seq_len} tokens per rank, {plan.optimizer}; the largest rank (rank 0):",
+    ]
+    for part, n in plan.breakdown.items():
+        lines.append(f"  {part:<17} {format_bytes(n):>14}")
+    lines.append(f"  {'peak (steady)':<17} {format_bytes(plan.peak_bytes):>14}")
+    lines.append(f"  {'peak (1st step)':<17} {format_bytes(plan.first_step_peak_bytes):>14}")
+    if plan.host_bytes is not None:
+        lines.append(f"  {'host (cpu_offload)':<17} {format_bytes(plan.host_bytes):>14}")
+    for part, why in plan.not_predicted.items():
+        lines.append(f"  not predicted: {part}: {why}")
+    lines.append(f"(parts at the moment of the steady peak; planned in {plan.seconds:.1f}s with fake tensors)")
+    return "\n".join(lines)
+
+
+def _print_fit(args: argparse.Namespace, found: Any, limit: int) -> int:
+    from .planning import format_bytes
+
+    if not found.fits:
+        if found.smallest_world_size:
+            msg = (
+                f"nothing fits in {format_bytes(limit)} at world size {args.world_size}; the smallest world size that "
+                f"would: {found.smallest_world_size} (with every allowed saving, micro-batch 1)"
+            )
+        else:
+            msg = f"nothing fits in {format_bytes(limit)}, even at 4096 ranks with every allowed saving"
+        print(
+            json.dumps(
+                {"fits": False, "smallest_world_size": found.smallest_world_size, "tried": found.tried}, indent=2
+            )
+            if args.json
+            else msg
+        )
+        return 1
+    Path(args.fit_out).write_text(json.dumps(found.config, indent=2) + "\n")
+    plan = found.plan
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "fits": True,
+                    "config": found.config,
+                    "batch_size": found.batch_size,
+                    "config_file": args.fit_out,
+                    "plan": plan.to_dict(),
+                    "tried": found.tried,
+                },
+                indent=2,
+            )
+        )
+        return 0
+    print(_describe(plan))
+    print(
+        f"fits in {format_bytes(limit)} per device with micro-batch {found.batch_size}: headroom "
+        f"{format_bytes(limit - max(plan.peak_bytes, plan.first_step_peak_bytes))}; config written to {args.fit_out} "
+        "(shardcore.shard takes it as is)"
+    )
+    print(
+        "ranked by expected speed: no cpu_offload (host transfers) first, then no activation_checkpointing "
+        "(recomputation), then the largest micro-batch, then reshard_after_forward false (fewer all-gathers), then "
+        f"the config's own precision; {len(found.tried)} plans evaluated"
+    )
     return 0
 
 
@@ -122,6 +250,19 @@ def main(argv: list[str] | None = None) -> int:
     pp.add_argument("--config", required=True, help="JSON FSDP config or accelerate YAML")
     pp.add_argument("--model", required=True, help="module:factory, or a directory with a Hugging Face config.json")
     pp.add_argument("--world-size", type=int, default=1)
+    pp.add_argument("--batch-size", type=int, default=None, help="micro-batch per rank (rows): predicts the peak")
+    pp.add_argument("--seq-len", type=int, default=None, help="tokens per row")
+    pp.add_argument("--global-batch-size", type=int, default=None, help="checked to split into micro-batches")
+    pp.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    pp.add_argument("--device-memory", default=None, help="one device's memory, e.g. 80GiB: says whether it fits")
+    pp.add_argument("--fit", action="store_true", help="search a config that fits --device-memory")
+    pp.add_argument(
+        "--allow",
+        default=None,
+        help="knobs --fit may change (default all): activation_checkpointing,reshard_after_forward,cpu_offload,"
+        "mixed_precision,batch_size",
+    )
+    pp.add_argument("--fit-out", default="fit-config.json", help="where --fit writes the config it found")
     pp.add_argument("--json", action="store_true", help="machine-readable output")
     pp.set_defaults(func=cmd_plan)
     pb = sub.add_parser("backends", help="list registered backends and whether they can run here")

@@ -136,7 +136,8 @@ def _watch_peers() -> None:
     (unless ``SHARDCORE_EXCEPTHOOK=0``)."""
     global _hook_installed
     size = dist.get_world_size()
-    if size == 1 or _peers:
+    # "fake": the one-process group that shardcore plan shards under (no peers to lose)
+    if size == 1 or _peers or dist.get_backend() == "fake":
         return
     try:
         store = dist.distributed_c10d._get_default_store()

@@ -249,10 +249,15 @@ class FSDP2Backend(
             or self._mesh.device_type != device_type
         ):
             self._mesh_group, self._mesh_shape = dist.group.WORLD, shape
-            if shape[0] == 1:
-                self._mesh = init_device_mesh(device_type, (shape[1],), mesh_dim_names=("fsdp",))
-            else:
-                self._mesh = init_device_mesh(device_type, shape, mesh_dim_names=("dp_replicate", "dp_shard"))
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            # the mesh is the ranks' layout, never data: built with real tensors also when the model
+            # is sharded under FakeTensorMode (shardcore plan), where its rank list cannot be read
+            with unset_fake_temporarily():
+                if shape[0] == 1:
+                    self._mesh = init_device_mesh(device_type, (shape[1],), mesh_dim_names=("fsdp",))
+                else:
+                    self._mesh = init_device_mesh(device_type, shape, mesh_dim_names=("dp_replicate", "dp_shard"))
         return self._mesh
 
     def grad_sq_sum(self, model: nn.Module) -> torch.Tensor:

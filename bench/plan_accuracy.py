@@ -1,0 +1,167 @@
+"""How close ``shardcore plan``'s predicted peak comes to the peak a real run reaches.
+
+For each configuration: the prediction (``shardcore.planning.predict``: one process, fake tensors, a
+fake process group), then the real run: ``world_size`` processes over gloo, the same model built
+from the same config.json with real weights, sharded by ``shardcore.shard``, two AdamW steps of the
+same micro-batch and the same AdamW (``foreach``), each step followed by torch's
+``FSDPMemTracker`` in real mode (every tensor storage a rank holds, by what it is; the planner's
+variant that keeps only the global peak). The measured peak is the largest rank's; under
+``cpu_offload`` both sides take the host-held state (sharded parameters, gradients, optimizer
+state) out of the device's share the same way. The ratio predicted / measured has the goal
+1.00 +- 0.10 for the steady and the first step.
+
+    python bench/plan_accuracy.py --out results/plan_accuracy.json     # ~2.5 minutes on 2 cores
+
+On an accelerator machine it plans for that device and measures one device with the allocator's
+own peak (``torch.accelerator.max_memory_allocated``), independent of the tracker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import run_ranks, write_result  # noqa: E402
+
+MODELS = Path(__file__).resolve().parent / "plan_models"
+#: (name, model directory, world size, config, micro-batch, sequence length)
+CONFIGS = [
+    ("llama-ws2", "llama-small", 2, {}, 4, 128),
+    ("llama-ws2-ac", "llama-small", 2, {"activation_checkpointing": True}, 4, 128),
+    ("llama-ws2-noreshard", "llama-small", 2, {"reshard_after_forward": False}, 4, 128),
+    ("llama-ws2-bf16", "llama-small", 2, {"mixed_precision": "bf16"}, 4, 128),
+    ("llama-ws2-offload", "llama-small", 2, {"cpu_offload": True}, 4, 128),
+    ("llama-ws4", "llama-small", 4, {}, 4, 128),
+    ("llama-ws4-hsdp2x2", "llama-small", 4, {"dp_replicate_size": 2}, 4, 128),
+    ("gpt2-ws2", "gpt2-small", 2, {}, 4, 128),
+    ("gpt2-ws2-ac", "gpt2-small", 2, {"activation_checkpointing": True}, 4, 128),
+    ("gpt2-ws4-bf16-noreshard", "gpt2-small", 4, {"mixed_precision": "bf16", "reshard_after_forward": False}, 4, 128),
+]
+TOLERANCE = 0.10
+#: on an accelerator (--accelerator): one device, measured by its allocator's own peak
+#: (torch.accelerator.max_memory_allocated), a measure independent of the tracker the plan uses
+ACCELERATOR_CONFIGS = [
+    ("llama-dev1", "llama-small", 1, {}, 8, 512),
+    ("llama-dev1-ac", "llama-small", 1, {"activation_checkpointing": True}, 8, 512),
+    ("llama-dev1-bf16", "llama-small", 1, {"mixed_precision": "bf16"}, 8, 512),
+    ("gpt2-dev1", "gpt2-small", 1, {}, 8, 512),
+]
+
+
+def build(model_dir: str):
+    from shardcore.cli import load_model
+
+    return lambda: load_model(str(MODELS / model_dir), meta=False)
+
+
+def measure_rank(rank: int, world_size: int, model_dir: str, config: dict, batch: int, seq: int) -> list[dict]:
+    """One rank's parts at its peak, per step (first, steady), as the planner groups them."""
+    import shardcore
+    from shardcore.planning import HOST_PARTS, _optimizer, _parts, peak_tracker
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = shardcore.shard(build(model_dir)(), config)
+    opt = _optimizer([p for p in model.parameters() if p.requires_grad], "adamw")  # the planned optimizer
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(rank))
+    steps = []
+    for _ in range(2):
+        # under cpu_offload the device's share at its own peak, as the plan takes it
+        with peak_tracker(model, opt, HOST_PARTS if config.get("cpu_offload") else ()) as tracker:
+            tracker.track_inputs((ids,))
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            parts = _parts(tracker.get_tracker_snapshot("peak"), "cpu")
+            steps.append({k: v for k, v in parts.items() if not (config.get("cpu_offload") and k in HOST_PARTS)})
+    return steps
+
+
+def measure_allocator(model_dir: str, config: dict, batch: int, seq: int) -> list[int]:
+    """On one accelerator: the allocator's peak in each step (first, steady): everything the device
+    holds, as the plan's peak counts every tensor of the rank."""
+    import shardcore
+    from shardcore.planning import _optimizer
+
+    torch.manual_seed(0)
+    model = shardcore.shard(build(model_dir)(), config)
+    device = next(model.parameters()).device
+    opt = _optimizer([p for p in model.parameters() if p.requires_grad], "adamw")
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
+    peaks = []
+    for _ in range(2):
+        torch.accelerator.synchronize()
+        torch.accelerator.reset_peak_memory_stats(device)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.accelerator.synchronize()
+        peaks.append(torch.accelerator.max_memory_allocated(device))
+    del model, opt
+    torch.distributed.destroy_process_group()  # the next config plans in a fake group of its own
+    return peaks
+
+
+def run(name: str, model_dir: str, world_size: int, config: dict, batch: int, seq: int) -> dict:
+    from shardcore.planning import predict
+
+    plan = predict(build(model_dir), config, world_size, batch, seq)
+    if plan.device != "cpu":
+        measured = measure_allocator(model_dir, config, batch, seq)
+    else:
+        per_rank = run_ranks(measure_rank, world_size, (model_dir, config, batch, seq), timeout_s=900)
+        measured = [max(sum(r[i].values()) for r in per_rank) for i in (0, 1)]
+    return {
+        "name": name,
+        "device": plan.device,
+        "measured_by": "max_memory_allocated" if plan.device != "cpu" else "FSDPMemTracker (real tensors)",
+        "model": model_dir,
+        "world_size": world_size,
+        "config": config,
+        "batch_size": batch,
+        "seq_len": seq,
+        "predicted_peak_bytes": plan.peak_bytes,
+        "measured_peak_bytes": measured[1],
+        "ratio": plan.peak_bytes / measured[1],
+        "predicted_first_step_peak_bytes": plan.first_step_peak_bytes,
+        "measured_first_step_peak_bytes": measured[0],
+        "first_step_ratio": plan.first_step_peak_bytes / measured[0],
+        "predicted_breakdown": plan.breakdown,
+        "plan_seconds": round(plan.seconds, 2),
+    }
+
+
+def report(rows: list[dict]) -> str:
+    lines = [f"{'config':<26} {'predicted':>12} {'measured':>12} {'ratio':>7} {'1st-step ratio':>15}"]
+    for r in rows:
+        lines.append(
+            f"{r['name']:<26} {r['predicted_peak_bytes'] / 2**20:>9.2f} MiB {r['measured_peak_bytes'] / 2**20:>9.2f} MiB "
+            f"{r['ratio']:>7.3f} {r['first_step_ratio']:>15.3f}"
+        )
+    worst = max(max(abs(r["ratio"] - 1), abs(r["first_step_ratio"] - 1)) for r in rows)
+    lines.append(f"largest |ratio - 1|: {worst:.3f} (goal <= {TOLERANCE})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", help="result JSON (default bench/results/plan_accuracy.json)")
+    ap.add_argument("--only", default=None, help="comma-separated config names")
+    args = ap.parse_args(argv)
+    names = set(args.only.split(",")) if args.only else None
+    from _common import device_type
+
+    configs = ACCELERATOR_CONFIGS if device_type() != "cpu" else CONFIGS
+    rows = [run(*c) for c in configs if names is None or c[0] in names]
+    print(report(rows), flush=True)
+    path = write_result("plan_accuracy", {"tolerance": TOLERANCE, "rows": rows}, args.out)
+    print(f"written: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""``shardcore plan``'s peak prediction (shardcore.planning): what it predicts, how close to a real
+run, --fit, and the errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import shardcore
+from shardcore.cli import main
+from shardcore.errors import ShardcoreError
+from shardcore.planning import fit, parse_bytes, predict
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ROOT / "bench" / "plan_models"
+
+
+def tiny():
+    """A 2-layer Llama (module:factory for the plan): quick to plan many times."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=172,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def test_memory_strings():
+    assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("80 GB") == 80 * 10**9
+    assert parse_bytes("81920MiB") == 80 * 2**30 and parse_bytes("1.5TiB") == int(1.5 * 2**40)
+    assert parse_bytes("4096") == 4096
+    for bad in ("eighty GiB", "80 GiBs", "-1GiB", ""):
+        with pytest.raises(ShardcoreError, match="cannot read .* as an amount of memory.*e.g. 80GiB"):
+            parse_bytes(bad)
+
+
+def test_the_prediction_has_every_part_and_activation_checkpointing_lowers_it():
+    base = predict(tiny, {}, world_size=2, batch_size=4, seq_len=64)
+    assert set(base.breakdown) == {
+        "sharded_params",
+        "gradients",
+        "optimizer_state",
+        "gathered_params",
+        "activations",
+        "temporaries",
+    }
+    assert base.peak_bytes == sum(base.breakdown.values()) and base.first_step_peak_bytes > 0
+    assert base.breakdown["activations"] > 0 and base.breakdown["optimizer_state"] > 0
+    assert base.first_step_breakdown["optimizer_state"] == 0  # AdamW's state appears in the first step
+    ac = predict(tiny, {"activation_checkpointing": True}, 2, 4, 64)
+    assert ac.breakdown["activations"] < base.breakdown["activations"]
+    wider = predict(tiny, {}, 4, 4, 64)  # more ranks: smaller shards, the same activations
+    assert wider.breakdown["sharded_params"] < base.breakdown["sharded_params"]
+    offload = predict(tiny, {"cpu_offload": True}, 2, 4, 64)
+    assert offload.host_bytes > 0 and offload.breakdown["optimizer_state"] == 0
+    assert offload.peak_bytes < base.peak_bytes
+
+
+def test_xla_predicts_the_model_states_and_says_what_it_does_not():
+    plan = predict(tiny, {"xla": True}, world_size=2, batch_size=4, seq_len=64)
+    assert plan.peak_bytes is None and plan.first_step_peak_bytes is None
+    assert plan.breakdown["sharded_params"] > 0 and plan.breakdown["activations"] is None
+    assert set(plan.not_predicted) == {"gathered_params", "activations", "temporaries", "peak_bytes"}
+
+
+def test_bad_input_gets_errors_that_name_the_value_and_the_fix(tmp_path, capsys):
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text("{}")
+    base = ["plan", "--config", str(cfg), "--model", str(MODELS / "llama-small"), "--batch-size", "2", "--seq-len", "8"]
+
+    def error(argv):
+        assert main(argv) == 2
+        return capsys.readouterr().err
+
+    assert "has no config.json" in error(
+        ["plan", "--config", str(cfg), "--model", str(tmp_path), "--batch-size", "1", "--seq-len", "8"]
+    )
+    assert "cannot read 'lots' as an amount of memory" in error([*base, "--device-memory", "lots"])
+    assert "--global-batch-size 6: not divisible by --world-size 4 x --batch-size 2" in error(
+        [*base, "--world-size", "4", "--global-batch-size", "6"]
+    )
+    assert "--batch-size: must be a positive integer, got 0" in error(
+        [*base[:-4], "--batch-size", "0", "--seq-len", "8"]
+    )
+    hsdp = tmp_path / "hsdp.json"
+    hsdp.write_text(json.dumps({"dp_replicate_size": 2}))
+    assert "dp_replicate_size" in error(["plan", "--config", str(hsdp), *base[3:], "--world-size", "3"])
+    wrong = tmp_path / "wrong.json"  # a config that does not match the model
+    wrong.write_text(json.dumps({"transformer_layer_cls_to_wrap": ["GPT2Block"]}))
+    assert "GPT2Block" in error(["plan", "--config", str(wrong), *base[3:]])
+    assert "--fit: needs --device-memory" in error([*base, "--fit"])
+
+
+def test_fit_takes_the_fastest_config_that_fits_and_writes_a_file_shard_takes(tmp_path):
+    base = predict(tiny, {}, 2, 4, 64)
+    ac = predict(tiny, {"activation_checkpointing": True}, 2, 4, 64)
+    limit = (max(ac.peak_bytes, ac.first_step_peak_bytes) + base.peak_bytes) // 2  # AC fits, the config does not
+    found = fit(tiny, {}, 2, 4, 64, limit, allow=("activation_checkpointing", "cpu_offload"))
+    assert found.fits and found.batch_size == 4 and found.config["activation_checkpointing"] is True
+    assert not found.config["cpu_offload"]  # host transfers rank below recomputation
+    # with smaller micro-batches allowed, no recomputation at a smaller batch ranks first
+    found = fit(tiny, {}, 2, 4, 64, limit, allow=("activation_checkpointing", "batch_size"))
+    assert found.fits and found.batch_size < 4 and not found.config["activation_checkpointing"]
+    # the command writes the config, and shard() takes the file as it is
+    out = tmp_path / "fit.json"
+    argv = ["plan", "--config", str(_write(tmp_path, {})), "--model", "test_planning:tiny", "--world-size", "2"]
+    argv += ["--batch-size", "4", "--seq-len", "64", "--device-memory", str(limit), "--fit", "--fit-out", str(out)]
+    argv += ["--allow", "activation_checkpointing"]
+    assert main(argv) == 0
+    assert shardcore.parse_config(str(out)).activation_checkpointing
+
+
+def test_when_nothing_fits_it_names_the_smallest_world_size():
+    """More ranks shrink each one's shards (activations stay): the limit below fits 8 ranks with
+    every allowed saving at micro-batch 1, not 1 rank."""
+    thrifty = {"activation_checkpointing": True, "mixed_precision": "bf16"}
+    at8 = predict(tiny, thrifty, 8, 1, 64)
+    limit = max(at8.peak_bytes, at8.first_step_peak_bytes)
+    found = fit(tiny, {}, 1, 1, 64, limit, allow=("activation_checkpointing", "mixed_precision"))
+    assert not found.fits and found.smallest_world_size is not None and 2 <= found.smallest_world_size <= 8
+    assert [t["world_size"] for t in found.tried if "world_size" in t][-1] == found.smallest_world_size
+
+
+def _write(tmp_path, cfg):
+    p = tmp_path / "cfg.json"
+    p.write_text(json.dumps(cfg))
+    return p
+
+
+@pytest.mark.multiprocess
+def test_predicted_peaks_are_within_10_percent_of_real_runs(tmp_path):
+    """bench/plan_accuracy.py at small size: Llama at 2 ranks with and without activation
+    checkpointing, GPT-2 at 2 ranks, HSDP 2 x 2; real gloo ranks measured with torch's
+    FSDPMemTracker in real mode. Tolerance: +-10% (the issue's), for the steady and the first step."""
+    out = tmp_path / "acc.json"
+    subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "plan_accuracy.py"), "--out", str(out)]
+        + ["--only", "llama-ws2,llama-ws2-ac,gpt2-ws2,llama-ws4-hsdp2x2"],
+        check=True,
+        timeout=900,
+    )
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 4
+    for r in rows:
+        assert abs(r["ratio"] - 1) <= 0.10 and abs(r["first_step_ratio"] - 1) <= 0.10, r
+
+
+def test_the_planner_tracker_keeps_torchs_global_peak():
+    """peak_tracker drops FSDPMemTracker's per-module peaks for speed; the global peak must stay."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    from shardcore.planning import _fake_world, _optimizer, _parts, peak_tracker
+
+    peaks = []
+    for tracker in (peak_tracker, FSDPMemTracker):
+        with _fake_world(2), FakeTensorMode(allow_non_fake_inputs=True):
+            model = shardcore.shard(tiny(), {}, backend="fsdp2")
+            opt = _optimizer(list(model.parameters()), "adamw")
+            ids = torch.randint(0, 512, (2, 32))
+            with tracker(model, opt) as t:
+                model(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+                peaks.append(_parts(t.get_tracker_snapshot("peak"), "cpu"))
+    assert peaks[0] == peaks[1] and sum(peaks[0].values()) > 0

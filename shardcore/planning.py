@@ -215,7 +215,10 @@ def _fsdp2_plan(
     host = HOST_PARTS if cfg.cpu_offload and device == "cpu" else ()
     steps: list[dict[str, int]] = []
     with _fake_world(world_size), FakeTensorMode(allow_non_fake_inputs=True):
-        model = build()
+        # built on the device: torch 2.11's fully_shard does not move fake tensors there (it asserts),
+        # and Module.to cannot swap them
+        with torch.device(device):
+            model = build()
         vocab = _vocab(model)
         model = shardcore.shard(model, cfg, backend="fsdp2")
         params = [p for p in model.parameters() if p.requires_grad]

@@ -52,7 +52,13 @@ def load_model(spec: str, meta: bool = True) -> nn.Module:
         factory = getattr(importlib.import_module(mod_name), attr)
     except (ImportError, AttributeError) as e:
         raise ShardcoreError(f"shardcore plan --model: cannot import {spec!r} ({e}).") from None
-    model = factory()
+    try:
+        model = factory()
+    except Exception as e:  # noqa: BLE001 - the user's factory: any failure is theirs to read
+        raise ShardcoreError(
+            f"shardcore plan --model: calling {spec}() failed ({type(e).__name__}: {e}). The factory must build "
+            "the model with no arguments."
+        ) from None
     if not isinstance(model, nn.Module):
         raise ShardcoreError(
             f"shardcore plan --model: {spec!r} returned {type(model).__name__}, not a torch.nn.Module."

@@ -110,6 +110,12 @@ def test_bad_input_gets_errors_that_name_the_value_and_the_fix(tmp_path, capsys)
     wrong.write_text(json.dumps({"transformer_layer_cls_to_wrap": ["GPT2Block"]}))
     assert "GPT2Block" in error(["plan", "--config", str(wrong), *base[3:]])
     assert "--fit: needs --device-memory" in error([*base, "--fit"])
+    assert "calling torch.nn:Linear() failed (TypeError" in error(
+        ["plan", "--config", str(cfg), "--model", "torch.nn:Linear", *base[5:]]
+    )
+    assert "Identity is not a causal language model" in error(
+        ["plan", "--config", str(cfg), "--model", "torch.nn:Identity", *base[5:]]
+    )
 
 
 def test_fit_takes_the_fastest_config_that_fits_and_writes_a_file_shard_takes(tmp_path):

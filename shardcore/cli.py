@@ -18,6 +18,7 @@ from .backend import available_backends
 from .config import parse_config
 from .errors import ShardcoreError
 from .plan import build_plan, estimate_memory
+from .planning import format_bytes
 from .validate import data_parallel_shape
 
 
@@ -66,14 +67,6 @@ def load_model(spec: str, meta: bool = True) -> nn.Module:
     return model
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
     cfg = parse_config(args.config)
     if cfg.backend_name != "xla":
@@ -113,10 +106,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print()
     mesh = f", dp_replicate {replicas} x dp_shard {shards}" if replicas > 1 else ""
     print(f"estimated bytes per rank at world size {args.world_size}{mesh} (largest shard, rank 0):")
-    print(f"  params      {_fmt_bytes(est.param_bytes):>12}")
-    print(f"  grads       {_fmt_bytes(est.grad_bytes):>12}")
-    print(f"  AdamW state {_fmt_bytes(est.optim_bytes):>12}")
-    print(f"  total       {_fmt_bytes(est.total):>12}   (unsharded params: {_fmt_bytes(est.full_param_bytes)})")
+    print(f"  params      {format_bytes(est.param_bytes, 1):>12}")
+    print(f"  grads       {format_bytes(est.grad_bytes, 1):>12}")
+    print(f"  AdamW state {format_bytes(est.optim_bytes, 1):>12}")
+    print(
+        f"  total       {format_bytes(est.total, 1):>12}   (unsharded params: {format_bytes(est.full_param_bytes, 1)})"
+    )
     print("(model states only: add --batch-size and --seq-len for the peak with activations)")
     return 0
 
@@ -153,15 +148,11 @@ def _plan_peak(args: argparse.Namespace, cfg: Any) -> int:
     print(_describe(plan))
     if "fits" in doc:
         verdict = "fits" if doc["fits"] else "does NOT fit"
-        print(
-            f"{verdict} in {planning.format_bytes(limit)} per device: headroom {planning.format_bytes(doc['headroom_bytes'])}"
-        )
+        print(f"{verdict} in {format_bytes(limit)} per device: headroom {format_bytes(doc['headroom_bytes'])}")
     return 0
 
 
 def _describe(plan: Any) -> str:
-    from .planning import format_bytes
-
     mesh = (
         f" (dp_replicate {plan.dp_replicate_size} x dp_shard {plan.dp_shard_size})"
         if plan.dp_replicate_size > 1
@@ -184,8 +175,6 @@ def _describe(plan: Any) -> str:
 
 
 def _print_fit(args: argparse.Namespace, found: Any, limit: int) -> int:
-    from .planning import format_bytes
-
     if not found.fits:
         if found.smallest_world_size:
             msg = (

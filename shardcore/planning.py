@@ -91,14 +91,15 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
 
 
-def format_bytes(n: float | None) -> str:
+def format_bytes(n: float | None, digits: int = 2) -> str:
+    """``n`` bytes in binary units (``None``: a part that was not predicted)."""
     if n is None:
         return "not predicted"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.2f} {unit}" if unit != "B" else f"{int(n)} B"
+            return f"{n:.{digits}f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
-    return f"{n:.2f} TiB"  # pragma: no cover
+    return f"{n:.{digits}f} TiB"  # pragma: no cover
 
 
 def _check_sizes(world_size: int, batch_size: int, seq_len: int, global_batch: int | None) -> None:
@@ -202,9 +203,10 @@ def _parts(snapshot: dict[Any, dict[Any, int]], device: str) -> dict[str, int]:
 
 def _fsdp2_plan(
     build: Callable[[], nn.Module], cfg: ShardConfig, world_size: int, batch_size: int, seq_len: int, optimizer: str
-) -> tuple[list[dict[str, int]], str]:
-    """Per step (first, steady): the largest rank's parts at its peak, on ``device``; under
-    cpu_offload on the CPU, the device's share at its own peak, and the host's most under ``_host``."""
+) -> tuple[list[tuple[dict[str, int], int | None]], str]:
+    """Per step (first, steady): the largest rank's parts at its peak on ``device``, and None; under
+    cpu_offload on the CPU, the device's share at its own peak (host parts 0) and the most the host
+    held."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import shardcore
@@ -213,7 +215,7 @@ def _fsdp2_plan(
 
     device = accelerator() or "cpu"
     host = HOST_PARTS if cfg.cpu_offload and device == "cpu" else ()
-    steps: list[dict[str, int]] = []
+    steps: list[tuple[dict[str, int], int | None]] = []
     with _fake_world(world_size), FakeTensorMode(allow_non_fake_inputs=True):
         # built on the device: torch 2.11's fully_shard does not move fake tensors there (it asserts),
         # and Module.to cannot swap them
@@ -234,8 +236,9 @@ def _fsdp2_plan(
                 opt.zero_grad(set_to_none=True)
                 parts = _parts(tracker.get_tracker_snapshot("peak"), device)
                 if host:
-                    parts = {**{k: (0 if k in host else v) for k, v in parts.items()}, "_host": tracker.host_peak}
-                steps.append(parts)
+                    steps.append(({k: (0 if k in host else v) for k, v in parts.items()}, tracker.host_peak))
+                else:
+                    steps.append((parts, None))
     return steps, device
 
 
@@ -274,20 +277,17 @@ def predict(
             f"shardcore plan: backend {cfg.backend_name!r} is not planned; plan knows fsdp2 (every part) and xla "
             "(model states)."
         )
-    (first, steady), device = _fsdp2_plan(build, _planned(cfg), world_size, batch_size, seq_len, optimizer)
     # one pool on the CPU: what cpu_offload keeps on the host is counted apart from the device's share
-    offloaded = "_host" in steady
+    ((first, _), (steady, host)), device = _fsdp2_plan(build, _planned(cfg), world_size, batch_size, seq_len, optimizer)
     plan = Plan(
         **base,
         device=device,
-        peak_bytes=sum(v for k, v in steady.items() if k != "_host"),
-        first_step_peak_bytes=sum(v for k, v in first.items() if k != "_host"),
-        breakdown=dict(steady),
-        first_step_breakdown=dict(first),
-        host_bytes=steady.get("_host") if offloaded else None,
+        peak_bytes=sum(steady.values()),
+        first_step_peak_bytes=sum(first.values()),
+        breakdown=steady,
+        first_step_breakdown=first,
+        host_bytes=host,
     )
-    plan.breakdown.pop("_host", None)
-    plan.first_step_breakdown.pop("_host", None)
     if cfg.torch_compile:
         plan.not_predicted["torch_compile"] = "planned as eager: compiled units usually hold fewer activations"
     plan.seconds = time.time() - t0

@@ -281,3 +281,12 @@ CAPPED_ISA = {
     "ONEDNN_MAX_CPU_ISA": "SSE41",
     "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
 }
+
+#: the AVX2-only CPU (AMD EPYC before Zen 4, Intel client chips) on an AVX-512 one; where the machine
+#: itself is AVX2-only this is its native setting
+AVX2_ISA = {
+    "XLA_FLAGS": xla_flags("--xla_cpu_max_isa=AVX2"),
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+}

@@ -24,20 +24,24 @@ class Tolerance:
 
 # fp32: sharding changes only the order of floating-point reductions (reduce-scatter vs. one local
 # sum), and so do the machine's kernels (eager ATen's AVX2 or AVX-512 code, oneDNN/MKL blocking) and
-# XLA:CPU's compiled code. The difference in a gradient entry between any two correct
-# implementations is at most GRADIENT_ROUNDING (measured, tests/test_numerics.py). AdamW's eps
-# (train.ADAM_EPS) bounds how much one step can amplify it: lr * GRADIENT_ROUNDING / eps = 2.5e-5 per
-# step at worst, half of param_atol. Measured with it (2026-12-03, the whole matrix, native AVX2 and
-# capped to SSE4.2, eager and XLA alike; README "Numerics"): FSDP2 on 2 gloo ranks and XLA (both
+# XLA:CPU's compiled code. What AdamW passes on of the difference in a gradient entry between any
+# two correct implementations is at most GRADIENT_ROUNDING (measured, tests/test_numerics.py), so
+# AdamW's eps (train.ADAM_EPS) bounds one step's parameter difference from rounding by
+# lr * GRADIENT_ROUNDING / eps = 2.5e-5, half of param_atol. Measured with it (2026-12-03, the whole
+# matrix, native AVX2 and capped to SSE4.2, eager and XLA alike; README "Numerics"): FSDP2 on 2 gloo ranks and XLA (both
 # modes, 1/2/4 CPU devices) against eager CPU: parameters <= 9e-6, losses <= 1.4e-6, gradient norms
 # <= 1.1e-6 relative, checkpoint outputs (logits) <= 1.2e-5 — all several times inside the bounds,
 # which a sharding bug exceeds by orders of magnitude (>= 1e-3 in the broken backends).
 # bf16: the reference computes in bf16 too, but gradients are summed in another order and
 # rounded to 8 mantissa bits; with AdamW at lr 1e-3: losses 2.3e-3, parameters 2.0e-3, outputs 2.2e-3.
-#: the largest |difference| of one gradient entry between two correct fp32 implementations of one
-#: step on the conformance models: eager CPU vs one XLA:CPU device, native ISA vs capped to SSE4.2,
-#: measured 2.1e-7 on the MLP, 7.5e-8 on GPT-2, 3.4e-8 on Llama (at most 1.3e-6 of the tensor's largest
-#: entry: ~11 ulps, sums over the batch's rows and tokens in another order)
+#: the most AdamW passes on of one gradient entry's difference between two correct fp32
+#: implementations of one step on the conformance models, in gradient units: eps / lr x one step's
+#: parameter difference, which is the whole difference on entries below eps (where AdamW's gain
+#: lr / eps acts) and eps^2 / g^2 of it on larger ones (whose step is sign-like). Eager CPU vs one
+#: XLA:CPU device, each at AVX-512, AVX2 and SSE4.2 (2026-12-04, an AVX-512 AMD EPYC): 3.8e-8 on
+#: GPT-2, 2.0e-8 on the MLP, 4.4e-9 on Llama. The raw difference is larger where it does not matter:
+#: 2.53e-7 on an MLP head entry of 0.18 (AVX-512 vs SSE4.2 eager; 17 ulps, sums over the batch in
+#: another order), where AdamW's step differs by 8e-12.
 GRADIENT_ROUNDING = 2.5e-7
 
 TOLERANCES: dict[str, Tolerance] = {

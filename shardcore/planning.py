@@ -12,7 +12,9 @@ the second step is the steady state.
 
 The device is the accelerator torch reports, else the CPU. On the CPU one pool holds everything; under
 ``cpu_offload`` the part that FSDP2 keeps on the host (sharded parameters, their gradients and the
-optimizer state) is taken out of the device's peak and reported as ``host_bytes``.
+optimizer state) is taken out of the device's peak and reported as ``host_bytes``. On CUDA the
+cuBLAS/cuBLASLt workspaces the step's threads hold, which no tensor op shows the tracker but the
+allocator counts, are a part of their own (``blas_workspaces``, :mod:`shardcore.workspaces`).
 
 **XLA** compiles the whole step into one program whose memory is known only once compiled on the
 device; only the model states are predicted, and the output says which parts are not.
@@ -203,20 +205,30 @@ def _parts(snapshot: dict[Any, dict[Any, int]], device: str) -> dict[str, int]:
 
 def _fsdp2_plan(
     build: Callable[[], nn.Module], cfg: ShardConfig, world_size: int, batch_size: int, seq_len: int, optimizer: str
-) -> tuple[list[tuple[dict[str, int], int | None]], str]:
+) -> tuple[list[tuple[dict[str, int], int | None]], str, Any]:
     """Per step (first, steady): the largest rank's parts at its peak on ``device``, and None; under
     cpu_offload on the CPU, the device's share at its own peak (host parts 0) and the most the host
-    held."""
+    held. Also the device, and on CUDA which of the step's threads ran GEMMs (else None)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import shardcore
 
     from .devices import accelerator
+    from .workspaces import GemmRecorder
 
     device = accelerator() or "cpu"
     host = HOST_PARTS if cfg.cpu_offload and device == "cpu" else ()
+    gemms = GemmRecorder() if device == "cuda" else None
     steps: list[tuple[dict[str, int], int | None]] = []
-    with _fake_world(world_size), FakeTensorMode(allow_non_fake_inputs=True):
+    # Backward on this thread, as AOTAutograd traces fake tensors: on an accelerator the autograd
+    # engine would run it (activation checkpointing's recomputation included) on its device thread,
+    # which changes no tensor's size but is not where the planned step's fake tensors are known to be
+    # followed completely (pytorch#86245). The CPU runs backward here anyway.
+    with (
+        _fake_world(world_size),
+        FakeTensorMode(allow_non_fake_inputs=True),
+        torch.autograd.set_multithreading_enabled(False),
+    ):
         # built on the device: torch 2.11's fully_shard does not move fake tensors there (it asserts),
         # and Module.to cannot swap them
         with torch.device(device):
@@ -229,7 +241,7 @@ def _fsdp2_plan(
         ids = torch.randint(0, vocab, (batch_size, seq_len), device=where if where.type != "cpu" else "cpu")
         for _ in range(2):
             # a tracker per step: the second one starts from the state the first step left
-            with peak_tracker(model, opt, host) as tracker:
+            with peak_tracker(model, opt, host) as tracker, gemms or contextlib.nullcontext():
                 tracker.track_inputs((ids,))
                 model(input_ids=ids, labels=ids).loss.backward()
                 opt.step()
@@ -239,7 +251,25 @@ def _fsdp2_plan(
                     steps.append(({k: (0 if k in host else v) for k, v in parts.items()}, tracker.host_peak))
                 else:
                     steps.append((parts, None))
-    return steps, device
+    return steps, device, gemms.threads if gemms else None
+
+
+def _add_workspaces(plan: Plan, threads: Any) -> None:
+    """The BLAS workspaces the device holds outside any tensor (``shardcore.workspaces``), as a part of
+    both peaks where modelled; on other accelerators the output says they are not predicted."""
+    from . import workspaces
+
+    if plan.device == "cpu":
+        return
+    why = workspaces.modelled(plan.device)
+    if why is not None:
+        plan.not_predicted["blas_workspaces"] = why
+        return
+    n = workspaces.workspace_bytes(threads, torch.cuda.get_device_capability(torch.cuda.current_device()))
+    for breakdown in (plan.breakdown, plan.first_step_breakdown):
+        breakdown["blas_workspaces"] = n
+    plan.peak_bytes += n
+    plan.first_step_peak_bytes += n
 
 
 def predict(
@@ -278,7 +308,9 @@ def predict(
             "(model states)."
         )
     # one pool on the CPU: what cpu_offload keeps on the host is counted apart from the device's share
-    ((first, _), (steady, host)), device = _fsdp2_plan(build, _planned(cfg), world_size, batch_size, seq_len, optimizer)
+    ((first, _), (steady, host)), device, gemm_threads = _fsdp2_plan(
+        build, _planned(cfg), world_size, batch_size, seq_len, optimizer
+    )
     plan = Plan(
         **base,
         device=device,
@@ -288,6 +320,7 @@ def predict(
         first_step_breakdown=first,
         host_bytes=host,
     )
+    _add_workspaces(plan, gemm_threads)
     if cfg.torch_compile:
         plan.not_predicted["torch_compile"] = "planned as eager: compiled units usually hold fewer activations"
     plan.seconds = time.time() - t0

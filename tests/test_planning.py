@@ -77,6 +77,33 @@ def test_the_prediction_has_every_part_and_activation_checkpointing_lowers_it():
     assert offload.peak_bytes < base.peak_bytes
 
 
+def test_the_planned_backward_and_its_recomputation_run_on_the_calling_thread():
+    """On an accelerator the autograd engine would run backward on its device thread; the plan runs it
+    on the thread whose tracker follows the fake tensors, activation checkpointing's recomputation
+    included (the forward of a checkpointed layer runs again inside backward)."""
+    import threading
+
+    import torch
+
+    seen, threaded = [], set()
+
+    def build():
+        model = tiny()
+
+        def hook(module, args):
+            seen.append((torch._C._current_graph_task_id() >= 0, threading.get_ident()))
+            threaded.add(torch._C._is_multithreading_enabled())
+
+        model.model.layers[0].mlp.register_forward_pre_hook(hook)
+        return model
+
+    predict(build, {"activation_checkpointing": True}, world_size=2, batch_size=2, seq_len=16)
+    assert {in_backward for in_backward, _ in seen} == {False, True}, seen  # forward, and recomputed
+    assert {thread for _, thread in seen} == {threading.get_ident()}
+    assert threaded == {False}  # what keeps an accelerator's backward on this thread too
+    assert torch._C._is_multithreading_enabled()  # left as it was
+
+
 def test_xla_predicts_the_model_states_and_says_what_it_does_not():
     plan = predict(tiny, {"xla": True}, world_size=2, batch_size=4, seq_len=64)
     assert plan.peak_bytes is None and plan.first_step_peak_bytes is None

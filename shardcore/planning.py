@@ -203,6 +203,32 @@ def _parts(snapshot: dict[Any, dict[Any, int]], device: str) -> dict[str, int]:
     return {part: sum(by_name.get(c, 0) for c in cats) for part, cats in PARTS.items()}
 
 
+@contextlib.contextmanager
+def _unpacked_positions() -> Iterator[None]:
+    """The planned step's attention as a real run takes it. Without a cache (training, and every
+    config with activation checkpointing, which turns ``use_cache`` off) Transformers reads the
+    position ids' values to see whether several sequences are packed into a row. Fake tensors have no
+    values, so it assumes packing and builds a full (batch, 1, seq, seq) mask: grouped KV heads are
+    then repeated instead of passed with ``enable_gqa``, and attention takes another kernel (on CUDA,
+    fp32 Llama: memory-efficient, where a real run takes math attention and its score matrices). The
+    planned step passes no position ids, so the model's own run 0..seq-1 in every row, which a real
+    run finds unpacked."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    found = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if found is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = found
+
+
 def _fsdp2_plan(
     build: Callable[[], nn.Module], cfg: ShardConfig, world_size: int, batch_size: int, seq_len: int, optimizer: str
 ) -> tuple[list[tuple[dict[str, int], int | None]], str, Any]:
@@ -228,6 +254,7 @@ def _fsdp2_plan(
         _fake_world(world_size),
         FakeTensorMode(allow_non_fake_inputs=True),
         torch.autograd.set_multithreading_enabled(False),
+        _unpacked_positions(),
     ):
         # built on the device: torch 2.11's fully_shard does not move fake tensors there (it asserts),
         # and Module.to cannot swap them

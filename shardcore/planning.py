@@ -246,10 +246,10 @@ def _fsdp2_plan(
     host = HOST_PARTS if cfg.cpu_offload and device == "cpu" else ()
     gemms = GemmRecorder() if device == "cuda" else None
     steps: list[tuple[dict[str, int], int | None]] = []
-    # Backward on this thread, as AOTAutograd traces fake tensors: on an accelerator the autograd
-    # engine would run it (activation checkpointing's recomputation included) on its device thread,
-    # which changes no tensor's size but is not where the planned step's fake tensors are known to be
-    # followed completely (pytorch#86245). The CPU runs backward here anyway.
+    # Backward on this thread, as AOTAutograd runs it when it traces fake tensors (pytorch#86245: fake
+    # tensor mode kept strictly sequential). On an accelerator the autograd engine would hand it, and
+    # activation checkpointing's recomputation, to its device thread; no tensor's size depends on the
+    # thread, and the workspaces that do are counted per phase (shardcore.workspaces).
     with (
         _fake_world(world_size),
         FakeTensorMode(allow_non_fake_inputs=True),

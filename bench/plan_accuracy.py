@@ -10,7 +10,7 @@ variant that keeps only the global peak). The measured peak is the largest rank'
 state) out of the device's share the same way. The ratio predicted / measured has the goal
 1.00 +- 0.10 for the steady and the first step.
 
-    python bench/plan_accuracy.py --out results/plan_accuracy.json     # ~2.5 minutes on 2 cores
+    python bench/plan_accuracy.py --out results/plan_accuracy.json     # about 4 minutes on 2 cores
 
 On an accelerator machine it plans for that device and measures one device with the allocator's
 own peak (``torch.accelerator.max_memory_allocated``), independent of the tracker.
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import run_ranks, write_result  # noqa: E402
 
 MODELS = Path(__file__).resolve().parent / "plan_models"
-#: (name, model directory, world size, config, micro-batch, sequence length)
+#: (name, model directory, world size, config, micro-batch, sequence length[, attention kernel])
 CONFIGS = [
     ("llama-ws2", "llama-small", 2, {}, 4, 128),
     ("llama-ws2-ac", "llama-small", 2, {"activation_checkpointing": True}, 4, 128),
@@ -40,6 +40,10 @@ CONFIGS = [
     ("gpt2-ws2", "gpt2-small", 2, {}, 4, 128),
     ("gpt2-ws2-ac", "gpt2-small", 2, {"activation_checkpointing": True}, 4, 128),
     ("gpt2-ws4-bf16-noreshard", "gpt2-small", 4, {"mixed_precision": "bf16", "reshard_after_forward": False}, 4, 128),
+    # the attention CUDA runs for fp32 Llama (grouped KV heads: neither flash nor memory-efficient
+    # attention takes it), at the CUDA rows' size: (8, 8, 512, 512) score matrices of 64 MiB per layer
+    ("llama-ws1-8x512-math", "llama-small", 1, {}, 8, 512, "math"),
+    ("llama-ws1-8x512-ac-math", "llama-small", 1, {"activation_checkpointing": True}, 8, 512, "math"),
 ]
 TOLERANCE = 0.10
 #: on an accelerator (--accelerator): one device, measured by its allocator's own peak
@@ -52,14 +56,32 @@ ACCELERATOR_CONFIGS = [
 ]
 
 
+def kernel(attention: str | None):
+    """Attention forced to one SDPA kernel (``None``: torch's own choice), for plan and run alike."""
+    import contextlib
+
+    if attention is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel({"math": SDPBackend.MATH}[attention])
+
+
 def build(model_dir: str):
     from shardcore.cli import load_model
 
     return lambda: load_model(str(MODELS / model_dir), meta=False)
 
 
-def measure_rank(rank: int, world_size: int, model_dir: str, config: dict, batch: int, seq: int) -> list[dict]:
+def measure_rank(
+    rank: int, world_size: int, model_dir: str, config: dict, batch: int, seq: int, attention: str | None = None
+) -> list[dict]:
     """One rank's parts at its peak, per step (first, steady), as the planner groups them."""
+    with kernel(attention):
+        return _measure_rank(rank, model_dir, config, batch, seq)
+
+
+def _measure_rank(rank: int, model_dir: str, config: dict, batch: int, seq: int) -> list[dict]:
     import shardcore
     from shardcore.planning import HOST_PARTS, _optimizer, _parts, peak_tracker
 
@@ -132,16 +154,19 @@ def measure_allocator(model_dir: str, config: dict, batch: int, seq: int) -> lis
     return peaks
 
 
-def run(name: str, model_dir: str, world_size: int, config: dict, batch: int, seq: int) -> dict:
+def run(
+    name: str, model_dir: str, world_size: int, config: dict, batch: int, seq: int, attention: str | None = None
+) -> dict:
     from shardcore.planning import predict
 
-    plan = predict(build(model_dir), config, world_size, batch, seq)
+    with kernel(attention):
+        plan = predict(build(model_dir), config, world_size, batch, seq)
     allocator = None  # on the CPU under cpu_offload the allocator cannot tell host from device
     if plan.device != "cpu":
         measured = measure_allocator(model_dir, config, batch, seq)
         allocator = measured[1]
     else:
-        per_rank = run_ranks(measure_rank, world_size, (model_dir, config, batch, seq), timeout_s=900)
+        per_rank = run_ranks(measure_rank, world_size, (model_dir, config, batch, seq, attention), timeout_s=900)
         measured = [max(sum(r[i].values()) for r in per_rank) for i in (0, 1)]
         allocator = None if config.get("cpu_offload") else max(r[2]["allocator"] for r in per_rank)
     return {
@@ -151,6 +176,7 @@ def run(name: str, model_dir: str, world_size: int, config: dict, batch: int, se
         "model": model_dir,
         "world_size": world_size,
         "config": config,
+        "attention": attention or "torch's choice",
         "batch_size": batch,
         "seq_len": seq,
         "predicted_peak_bytes": plan.peak_bytes,

@@ -89,8 +89,9 @@ class GemmRecorder(TorchDispatchMode):
         name = func._schema.name.split("::")[-1]
         if name in _GEMMS:
             where = "backward" if torch._C._current_graph_task_id() >= 0 else "forward"
-            # torch routes addmm with a 1-D bias and beta 1 to cuBLASLt's gemm_and_bias
-            lt = name == "addmm" and args[0].dim() == 1 and (kwargs or {}).get("beta", 1) == 1
+            # torch routes addmm (and its fused-activation form) with a 1-D bias and beta 1 to
+            # cuBLASLt's gemm_and_bias
+            lt = name in ("addmm", "_addmm_activation") and args[0].dim() == 1 and (kwargs or {}).get("beta", 1) == 1
             with self._lock:
                 self.threads.cublas.add(where)
                 if lt:

@@ -19,6 +19,7 @@ own peak (``torch.accelerator.max_memory_allocated``), independent of the tracke
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -58,8 +59,6 @@ ACCELERATOR_CONFIGS = [
 
 def kernel(attention: str | None):
     """Attention forced to one SDPA kernel (``None``: torch's own choice), for plan and run alike."""
-    import contextlib
-
     if attention is None:
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import re
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -83,7 +82,6 @@ class GemmRecorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.threads = GemmThreads()
-        self._lock = threading.Lock()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         name = func._schema.name.split("::")[-1]
@@ -92,10 +90,9 @@ class GemmRecorder(TorchDispatchMode):
             # torch routes addmm (and its fused-activation form) with a 1-D bias and beta 1 to
             # cuBLASLt's gemm_and_bias
             lt = name in ("addmm", "_addmm_activation") and args[0].dim() == 1 and (kwargs or {}).get("beta", 1) == 1
-            with self._lock:
-                self.threads.cublas.add(where)
-                if lt:
-                    self.threads.cublaslt.add(where)
+            self.threads.cublas.add(where)
+            if lt:
+                self.threads.cublaslt.add(where)
         return func(*args, **(kwargs or {}))
 
 

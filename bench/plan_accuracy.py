@@ -14,19 +14,27 @@ state) out of the device's share the same way. The ratio predicted / measured ha
 
 On an accelerator machine it plans for that device and measures one device with the allocator's
 own peak (``torch.accelerator.max_memory_allocated``), independent of the tracker.
+
+    python bench/plan_accuracy.py --cuda-standin    # seconds; results/plan_accuracy_cuda_standin.json
+
+replans, on this CPU, the recorded H200 rows whose attention kernel the CPU can run as CUDA did, with
+CUDA's kernel temporaries and the H200's cuBLAS workspaces (``shardcore.workspaces``), and compares
+them with the peaks the H200 measured (``results/plan_accuracy_cuda.json``): the CUDA plan as the
+current planner makes it, where no GPU is lent.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import run_ranks, write_result  # noqa: E402
+from _common import RESULTS, run_ranks, write_result  # noqa: E402
 
 MODELS = Path(__file__).resolve().parent / "plan_models"
 #: (name, model directory, world size, config, micro-batch, sequence length[, attention kernel])
@@ -55,6 +63,13 @@ ACCELERATOR_CONFIGS = [
     ("llama-dev1-bf16", "llama-small", 1, {"mixed_precision": "bf16"}, 8, 512),
     ("gpt2-dev1", "gpt2-small", 1, {}, 8, 512),
 ]
+
+#: recorded H200 rows (``ACCELERATOR_CONFIGS``) whose attention the CPU runs with CUDA's kernel: fp32
+#: Llama has grouped KV heads, which neither flash nor memory-efficient attention takes, so CUDA runs
+#: math attention. GPT-2's memory-efficient and bf16's cuDNN attention have no CPU kernel.
+CUDA_STANDIN = {"llama-dev1": "math", "llama-dev1-ac": "math"}
+#: the H200's compute capability, which sets the cuBLAS workspace size
+H200_CAPABILITY = (9, 0)
 
 
 def kernel(attention: str | None):
@@ -191,6 +206,69 @@ def run(
     }
 
 
+@contextlib.contextmanager
+def cuda_rules_on_cpu():
+    """CUDA's kernel temporaries lent to the CPU (whose kernels take none), so that a plan made here
+    stands in for the CUDA one."""
+    from shardcore import workspaces
+
+    modelled = workspaces.modelled
+    workspaces.KERNEL_SCRATCH["cpu"] = workspaces.KERNEL_SCRATCH["cuda"]
+    workspaces.modelled = lambda device: None
+    try:
+        yield
+    finally:
+        workspaces.KERNEL_SCRATCH.pop("cpu")
+        workspaces.modelled = modelled
+
+
+def cuda_standin(names: set[str] | None = None) -> list[dict]:
+    """The recorded H200 rows of :data:`CUDA_STANDIN`, planned on this CPU as on the H200: the same
+    attention kernel, CUDA's kernel temporaries, and the cuBLAS workspaces of the threads that ran
+    GEMMs at the H200's compute capability, against the peaks measured there."""
+    from shardcore import workspaces
+    from shardcore.config import parse_config
+    from shardcore.planning import _fsdp2_plan
+
+    recorded = json.loads((RESULTS / "plan_accuracy_cuda.json").read_text())
+    rows = []
+    for r in recorded["rows"]:
+        attention = CUDA_STANDIN.get(r["name"])
+        if attention is None or (names is not None and r["name"] not in names):
+            continue
+        cfg = parse_config(r["config"])
+        with cuda_rules_on_cpu(), kernel(attention):
+            ((first, _), (steady, _)), _, threads = _fsdp2_plan(
+                build(r["model"]), cfg, r["world_size"], r["batch_size"], r["seq_len"], "adamw"
+            )
+        blas = workspaces.workspace_bytes(threads, H200_CAPABILITY, {})
+        predicted, predicted_first = sum(steady.values()) + blas, sum(first.values()) + blas
+        rows.append(
+            {
+                "name": r["name"],
+                "device": "cpu standing in for cuda",
+                "measured_by": f"max_memory_allocated on the H200, {recorded['when']}",
+                "model": r["model"],
+                "world_size": r["world_size"],
+                "config": r["config"],
+                "attention": attention,
+                "batch_size": r["batch_size"],
+                "seq_len": r["seq_len"],
+                "predicted_peak_bytes": predicted,
+                "measured_peak_bytes": r["measured_peak_bytes"],
+                "ratio": predicted / r["measured_peak_bytes"],
+                "predicted_first_step_peak_bytes": predicted_first,
+                "measured_first_step_peak_bytes": r["measured_first_step_peak_bytes"],
+                "first_step_ratio": predicted_first / r["measured_first_step_peak_bytes"],
+                "measured_allocator_peak_bytes": r["measured_peak_bytes"],
+                "allocator_ratio": predicted / r["measured_peak_bytes"],
+                "predicted_breakdown": {**steady, "blas_workspaces": blas},
+                "recorded_prediction_then": r["predicted_peak_bytes"],
+            }
+        )
+    return rows
+
+
 def report(rows: list[dict]) -> str:
     lines = [
         f"{'config':<26} {'predicted':>12} {'measured':>12} {'ratio':>7} {'1st-step ratio':>15} {'allocator ratio':>16}"
@@ -213,8 +291,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="result JSON (default bench/results/plan_accuracy.json)")
     ap.add_argument("--only", default=None, help="comma-separated config names")
+    ap.add_argument(
+        "--cuda-standin", action="store_true", help="replan the recorded H200 rows here (see above); no GPU needed"
+    )
     args = ap.parse_args(argv)
     names = set(args.only.split(",")) if args.only else None
+    if args.cuda_standin:
+        rows = cuda_standin(names)
+        print(report(rows), flush=True)
+        path = write_result("plan_accuracy_cuda_standin", {"tolerance": TOLERANCE, "rows": rows}, args.out)
+        print(f"written: {path}")
+        return 0
     from _common import device_type
 
     configs = ACCELERATOR_CONFIGS if device_type() != "cpu" else CONFIGS

@@ -14,7 +14,9 @@ The device is the accelerator torch reports, else the CPU. On the CPU one pool h
 ``cpu_offload`` the part that FSDP2 keeps on the host (sharded parameters, their gradients and the
 optimizer state) is taken out of the device's peak and reported as ``host_bytes``. On CUDA the
 cuBLAS/cuBLASLt workspaces the step's threads hold, which no tensor op shows the tracker but the
-allocator counts, are a part of their own (``blas_workspaces``, :mod:`shardcore.workspaces`).
+allocator counts, are a part of their own (``blas_workspaces``, :mod:`shardcore.workspaces`); the
+temporaries CUDA kernels take inside an op, which a fake step's meta kernels do not, are made around
+their ops and counted with the others (``temporaries``).
 
 **XLA** compiles the whole step into one program whose memory is known only once compiled on the
 device; only the model states are predicted, and the output says which parts are not.
@@ -239,12 +241,16 @@ def _fsdp2_plan(
 
     import shardcore
 
+    from . import workspaces
     from .devices import accelerator
-    from .workspaces import GemmRecorder
 
     device = accelerator() or "cpu"
     host = HOST_PARTS if cfg.cpu_offload and device == "cpu" else ()
-    gemms = GemmRecorder() if device == "cuda" else None
+    kernels = (
+        workspaces.DeviceKernels(device, scratch=workspaces.modelled(device) is None)
+        if device == "cuda" or workspaces.KERNEL_SCRATCH.get(device)
+        else None
+    )
     steps: list[tuple[dict[str, int], int | None]] = []
     # Backward on this thread, as AOTAutograd runs it when it traces fake tensors (pytorch#86245: fake
     # tensor mode kept strictly sequential). On an accelerator the autograd engine would hand it, and
@@ -268,7 +274,8 @@ def _fsdp2_plan(
         ids = torch.randint(0, vocab, (batch_size, seq_len), device=where if where.type != "cpu" else "cpu")
         for _ in range(2):
             # a tracker per step: the second one starts from the state the first step left
-            with peak_tracker(model, opt, host) as tracker, gemms or contextlib.nullcontext():
+            # the kernels' mode entered after the tracker: the tracker counts the temporaries it makes
+            with peak_tracker(model, opt, host) as tracker, kernels or contextlib.nullcontext():
                 tracker.track_inputs((ids,))
                 model(input_ids=ids, labels=ids).loss.backward()
                 opt.step()
@@ -278,7 +285,7 @@ def _fsdp2_plan(
                     steps.append(({k: (0 if k in host else v) for k, v in parts.items()}, tracker.host_peak))
                 else:
                     steps.append((parts, None))
-    return steps, device, gemms.threads if gemms else None
+    return steps, device, kernels.threads if kernels else None
 
 
 def _add_workspaces(plan: Plan, threads: Any) -> None:

@@ -45,6 +45,17 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind():
+    """shard() joins a one-rank process group where the script has none; left behind by one in-process
+    test, it would be the next test's group, and ``shardcore plan`` refuses to run inside a group."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @pytest.fixture
 def mlp():
     """The conformance suite's small MLP (uneven layer sizes), seeded."""

@@ -143,13 +143,28 @@ def _storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def measure_allocator(model_dir: str, config: dict, batch: int, seq: int) -> list[int]:
+def end_row() -> None:
+    """Frees what a measured row left, before the next one: its process group (the next config plans
+    in a fake group of its own) and its model. FSDP2's modules hold reference cycles, so a sharded
+    model's parameters outlive ``del`` until Python's collector runs; on the H200 (2026-12-04, before
+    this) the checkpointed row's peak counted the previous row's 15.07 MiB of parameters."""
+    import gc
+
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    gc.collect()
+
+
+def measure_allocator(model_dir: str, config: dict, batch: int, seq: int) -> tuple[list[int], int]:
     """On one accelerator: the allocator's peak in each step (first, steady): everything the device
-    holds, as the plan's peak counts every tensor of the rank."""
+    holds, as the plan's peak counts every tensor of the rank. Also what the device held before the
+    model was built (earlier rows' BLAS workspaces, which the plan counts too)."""
     import shardcore
     from shardcore.planning import _optimizer
 
     torch.manual_seed(0)
+    end_row()
+    before = torch.accelerator.memory_allocated()  # the current device, where shard() puts the model
     model = shardcore.shard(build(model_dir)(), config)
     device = next(model.parameters()).device
     opt = _optimizer([p for p in model.parameters() if p.requires_grad], "adamw")
@@ -163,9 +178,9 @@ def measure_allocator(model_dir: str, config: dict, batch: int, seq: int) -> lis
         opt.zero_grad(set_to_none=True)
         torch.accelerator.synchronize()
         peaks.append(torch.accelerator.max_memory_allocated(device))
-    del model, opt
-    torch.distributed.destroy_process_group()  # the next config plans in a fake group of its own
-    return peaks
+    del model, opt, ids
+    end_row()
+    return peaks, before
 
 
 def run(
@@ -176,8 +191,9 @@ def run(
     with kernel(attention):
         plan = predict(build(model_dir), config, world_size, batch, seq)
     allocator = None  # on the CPU under cpu_offload the allocator cannot tell host from device
+    before = None
     if plan.device != "cpu":
-        measured = measure_allocator(model_dir, config, batch, seq)
+        measured, before = measure_allocator(model_dir, config, batch, seq)
         allocator = measured[1]
     else:
         per_rank = run_ranks(measure_rank, world_size, (model_dir, config, batch, seq, attention), timeout_s=900)
@@ -200,6 +216,7 @@ def run(
         "measured_first_step_peak_bytes": measured[0],
         "first_step_ratio": plan.first_step_peak_bytes / measured[0],
         "measured_allocator_peak_bytes": allocator,
+        "allocated_before_bytes": before,
         "allocator_ratio": plan.peak_bytes / allocator if allocator else None,
         "predicted_breakdown": plan.breakdown,
         "plan_seconds": round(plan.seconds, 2),

@@ -108,6 +108,8 @@ def machine() -> dict[str, Any]:
         out["accelerators"] = torch.accelerator.device_count()
         if "runtime" in d:
             out["accelerator_runtime"] = d["runtime"]
+        if device_type() == "cuda":  # sets the cuBLAS workspace size (shardcore.workspaces)
+            out["accelerator_capability"] = list(torch.cuda.get_device_capability(0))
     from importlib import metadata
 
     for dist in ("transformers", "torch_xla"):

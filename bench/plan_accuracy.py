@@ -68,8 +68,9 @@ ACCELERATOR_CONFIGS = [
 #: Llama has grouped KV heads, which neither flash nor memory-efficient attention takes, so CUDA runs
 #: math attention. GPT-2's memory-efficient and bf16's cuDNN attention have no CPU kernel.
 CUDA_STANDIN = {"llama-dev1": "math", "llama-dev1-ac": "math"}
-#: the H200's compute capability, which sets the cuBLAS workspace size
-H200_CAPABILITY = (9, 0)
+#: compute capabilities by device name, for records made before the bench wrote the capability
+#: (the H200 run of 2026-12-04); it sets the cuBLAS workspace size
+KNOWN_CAPABILITY = {"NVIDIA H200": (9, 0)}
 
 
 def kernel(attention: str | None):
@@ -240,14 +241,21 @@ def cuda_rules_on_cpu():
 
 
 def cuda_standin(names: set[str] | None = None) -> list[dict]:
-    """The recorded H200 rows of :data:`CUDA_STANDIN`, planned on this CPU as on the H200: the same
+    """The recorded GPU rows of :data:`CUDA_STANDIN`, planned on this CPU as on that GPU: the same
     attention kernel, CUDA's kernel temporaries, and the cuBLAS workspaces of the threads that ran
-    GEMMs at the H200's compute capability, against the peaks measured there."""
+    GEMMs at the GPU's compute capability, against the peaks measured there."""
     from shardcore import workspaces
     from shardcore.config import parse_config
     from shardcore.planning import _fsdp2_plan
 
     recorded = json.loads((RESULTS / "plan_accuracy_cuda.json").read_text())
+    machine = recorded["machine"]
+    capability = machine.get("accelerator_capability") or KNOWN_CAPABILITY.get(machine.get("accelerator_name"))
+    if capability is None:
+        raise SystemExit(
+            f"results/plan_accuracy_cuda.json was recorded on {machine.get('accelerator_name')!r} without its "
+            "compute capability, which sets the cuBLAS workspace size; rerun bench/plan_accuracy.py on that GPU."
+        )
     rows = []
     for r in recorded["rows"]:
         attention = CUDA_STANDIN.get(r["name"])
@@ -258,7 +266,7 @@ def cuda_standin(names: set[str] | None = None) -> list[dict]:
             ((first, _), (steady, _)), _, threads = _fsdp2_plan(
                 build(r["model"]), cfg, r["world_size"], r["batch_size"], r["seq_len"], "adamw"
             )
-        blas = workspaces.workspace_bytes(threads, H200_CAPABILITY, {})
+        blas = workspaces.workspace_bytes(threads, tuple(capability), {})
         predicted, predicted_first = sum(steady.values()) + blas, sum(first.values()) + blas
         rows.append(
             {
@@ -281,6 +289,8 @@ def cuda_standin(names: set[str] | None = None) -> list[dict]:
                 "allocator_ratio": predicted / r["measured_peak_bytes"],
                 "predicted_breakdown": {**steady, "blas_workspaces": blas},
                 "recorded_prediction_then": r["predicted_peak_bytes"],
+                # what the device held before the row's model was built (recorded since 2026-12-04's fix)
+                "recorded_allocated_before_bytes": r.get("allocated_before_bytes"),
             }
         )
     return rows

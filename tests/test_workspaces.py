@@ -5,6 +5,7 @@ the temporaries CUDA kernels take inside an op."""
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 from pathlib import Path
 
@@ -163,3 +164,21 @@ def test_softmax_backward_scratch_makes_the_cpu_stand_in_of_the_h200_step_exact(
     # the peak is in attention's backward: three score matrices and the temporary, all "Temp"
     assert row["predicted_breakdown"]["temporaries"] > 3 * 64 * MiB
     assert "cpu" not in workspaces.KERNEL_SCRATCH  # the rule was lent for the plan only
+
+
+def test_the_stand_in_takes_the_recorded_gpus_capability_and_refuses_without_one(tmp_path, monkeypatch):
+    """The workspace size depends on the GPU, so the stand-in reads the record's compute capability
+    (or, for the H200 record made before the bench wrote it, the known one) and never assumes it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import plan_accuracy
+
+    record = json.loads((plan_accuracy.RESULTS / "plan_accuracy_cuda.json").read_text())
+    record["machine"].update(accelerator_name="NVIDIA A100-SXM4-80GB", accelerator_capability=[8, 0])
+    (tmp_path / "plan_accuracy_cuda.json").write_text(json.dumps(record))
+    monkeypatch.setattr(plan_accuracy, "RESULTS", tmp_path)
+    (row,) = plan_accuracy.cuda_standin({"llama-dev1"})
+    assert row["predicted_breakdown"]["blas_workspaces"] == 2 * (8 * MiB + 128 * 1024)  # not the H200's 2 x 32
+    del record["machine"]["accelerator_capability"]
+    (tmp_path / "plan_accuracy_cuda.json").write_text(json.dumps(record))
+    with pytest.raises(SystemExit, match="'NVIDIA A100-SXM4-80GB' without its compute capability"):
+        plan_accuracy.cuda_standin({"llama-dev1"})

@@ -213,6 +213,8 @@ def test_xla_flag_selects_xla_backend():
         ({"transformer_layer_cls_to_wrap": ["Llama Layer"]}, "transformer_layer_cls_to_wrap", "not a class name"),
         ({"state_dict_type": "LOCAL_STATE_DICT"}, "state_dict_type", "FULL_STATE_DICT"),
         ({"mixed_precision": "int8"}, "mixed_precision", "not a dtype"),
+        # a torch.dtype no name gives would parse once and not read back from its own dict form
+        ({"mixed_precision_policy": torch.int8}, "mixed_precision", "not a dtype"),
         ({"mixed_precision": {"param_dtpye": "bf16"}}, "mixed_precision.param_dtpye", "Did you mean"),
         ({"mixed_precision": {"buffer_dtype": "bf16"}}, "mixed_precision.buffer_dtype", "does not cast buffers"),
         ({"backward_prefetch": "BACKWARD_PRE"}, "backward_prefetch", "FSDP1 setting"),

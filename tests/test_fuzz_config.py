@@ -160,6 +160,7 @@ def _parse(raw: dict):
 @example({"mixed_precision": {"param_dtype": "\ud800"}})
 @example({"xla_fsdp_settings": {1: [None]}})
 @example({"cpu_offload": float("nan"), "offload_params": float("nan")})
+@example({"mixed_precision_policy": torch.int8})
 def test_parse_config_accepts_or_names_the_key(raw):
     cfg, err = _parse(raw)
     if cfg is not None:

@@ -157,12 +157,14 @@ def dtype_name(key: str, value: Any) -> str | None:
         try:
             import torch
 
-            if isinstance(value, torch.dtype):
+            # only the floating dtypes a name can also give: a config must read back from its dict form
+            if isinstance(value, torch.dtype) and str(value).removeprefix("torch.") in _DTYPE_NAMES.values():
                 return str(value).removeprefix("torch.")
         except ImportError:  # pragma: no cover - torch is a dependency
             pass
     raise ShardConfigError(
-        key, f"{show_value(value)} is not a dtype. Use one of bf16, fp16, fp32 (or bfloat16, float16, float32)."
+        key,
+        f"{show_value(value)} is not a dtype shardcore takes. Use one of bf16, fp16, fp32 (or bfloat16, float16, float32).",
     )
 
 

@@ -224,22 +224,6 @@ def run(
     }
 
 
-@contextlib.contextmanager
-def cuda_rules_on_cpu():
-    """CUDA's kernel temporaries lent to the CPU (whose kernels take none), so that a plan made here
-    stands in for the CUDA one."""
-    from shardcore import workspaces
-
-    modelled = workspaces.modelled
-    workspaces.KERNEL_SCRATCH["cpu"] = workspaces.KERNEL_SCRATCH["cuda"]
-    workspaces.modelled = lambda device: None
-    try:
-        yield
-    finally:
-        workspaces.KERNEL_SCRATCH.pop("cpu")
-        workspaces.modelled = modelled
-
-
 def cuda_standin(names: set[str] | None = None) -> list[dict]:
     """The recorded GPU rows of :data:`CUDA_STANDIN`, planned on this CPU as on that GPU: the same
     attention kernel, CUDA's kernel temporaries, and the cuBLAS workspaces of the threads that ran
@@ -262,9 +246,15 @@ def cuda_standin(names: set[str] | None = None) -> list[dict]:
         if attention is None or (names is not None and r["name"] not in names):
             continue
         cfg = parse_config(r["config"])
-        with cuda_rules_on_cpu(), kernel(attention):
+        with kernel(attention):  # CUDA's kernel rules lent to the CPU, whose kernels take no such temporaries
             ((first, _), (steady, _)), _, threads = _fsdp2_plan(
-                build(r["model"]), cfg, r["world_size"], r["batch_size"], r["seq_len"], "adamw"
+                build(r["model"]),
+                cfg,
+                r["world_size"],
+                r["batch_size"],
+                r["seq_len"],
+                "adamw",
+                kernel_scratch=workspaces.KERNEL_SCRATCH["cuda"],
             )
         blas = workspaces.workspace_bytes(threads, tuple(capability), {})
         predicted, predicted_first = sum(steady.values()) + blas, sum(first.values()) + blas
@@ -272,7 +262,7 @@ def cuda_standin(names: set[str] | None = None) -> list[dict]:
             {
                 "name": r["name"],
                 "device": "cpu standing in for cuda",
-                "measured_by": f"max_memory_allocated on the H200, {recorded['when']}",
+                "measured_by": f"max_memory_allocated on {machine.get('accelerator_name')}, {recorded['when']}",
                 "model": r["model"],
                 "world_size": r["world_size"],
                 "config": r["config"],
@@ -319,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="result JSON (default bench/results/plan_accuracy.json)")
     ap.add_argument("--only", default=None, help="comma-separated config names")
     ap.add_argument(
-        "--cuda-standin", action="store_true", help="replan the recorded H200 rows here (see above); no GPU needed"
+        "--cuda-standin", action="store_true", help="replan the recorded GPU rows here (see above); no GPU needed"
     )
     args = ap.parse_args(argv)
     names = set(args.only.split(",")) if args.only else None

@@ -232,7 +232,13 @@ def _unpacked_positions() -> Iterator[None]:
 
 
 def _fsdp2_plan(
-    build: Callable[[], nn.Module], cfg: ShardConfig, world_size: int, batch_size: int, seq_len: int, optimizer: str
+    build: Callable[[], nn.Module],
+    cfg: ShardConfig,
+    world_size: int,
+    batch_size: int,
+    seq_len: int,
+    optimizer: str,
+    kernel_scratch: Any = None,
 ) -> tuple[list[tuple[dict[str, int], int | None]], str, Any]:
     """Per step (first, steady): the largest rank's parts at its peak on ``device``, and None; under
     cpu_offload on the CPU, the device's share at its own peak (host parts 0) and the most the host
@@ -246,11 +252,10 @@ def _fsdp2_plan(
 
     device = accelerator() or "cpu"
     host = HOST_PARTS if cfg.cpu_offload and device == "cpu" else ()
-    kernels = (
-        workspaces.DeviceKernels(device, scratch=workspaces.modelled(device) is None)
-        if device == "cuda" or workspaces.KERNEL_SCRATCH.get(device)
-        else None
-    )
+    # kernel_scratch: another device's kernel rules, for a plan made here to stand in for that device's
+    kernels: Any = workspaces.DeviceKernels(device, kernel_scratch)
+    if device != "cuda" and not kernels.scratch:
+        kernels = None  # no GEMM workspaces to count, no temporaries to make
     steps: list[tuple[dict[str, int], int | None]] = []
     # Backward on this thread, as AOTAutograd runs it when it traces fake tensors (pytorch#86245: fake
     # tensor mode kept strictly sequential). On an accelerator the autograd engine would hand it, and

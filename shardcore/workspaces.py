@@ -101,15 +101,18 @@ class DeviceKernels(TorchDispatchMode):
     """What a planned step's device kernels would do beyond their outputs. Records each GEMM under the
     thread it runs on in a real run: the plan runs backward on the calling thread (see ``planning``),
     so whether an op belongs to backward is read from the autograd engine (a graph task is running),
-    not from the thread. With ``scratch``, makes each of :data:`KERNEL_SCRATCH`'s temporaries on
-    ``device`` around its op. Entered after the memory tracker: it sees each op first, and what it
-    makes dispatches through the tracker, which counts it."""
+    not from the thread. Makes each temporary of ``scratch`` (op -> maker; by default the device's
+    own rules where :func:`modelled`) around its op, for tensors on ``device``. Entered after the
+    memory tracker: it sees each op first, and what it makes dispatches through the tracker, which
+    counts it."""
 
-    def __init__(self, device: str = "cuda", scratch: bool = True) -> None:
+    def __init__(self, device: str = "cuda", scratch: Mapping[Any, Any] | None = None) -> None:
         super().__init__()
         self.device = device
         self.threads = GemmThreads()
-        self.scratch = KERNEL_SCRATCH.get(device, {}) if scratch else {}
+        if scratch is None:
+            scratch = KERNEL_SCRATCH.get(device, {}) if modelled(device) is None else {}
+        self.scratch = scratch
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}

@@ -135,17 +135,17 @@ def _softmax_step_peak(kernels: DeviceKernels | None) -> tuple[int, int]:
     return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"], x.numel() * 4
 
 
-def test_kernel_scratch_is_held_while_its_op_runs_and_counted_by_the_tracker(monkeypatch):
+def test_kernel_scratch_is_held_while_its_op_runs_and_counted_by_the_tracker():
     """CUDA's softmax backward holds grad * output while it runs. The CPU stands in for the device
     here (its kernels take no such temporary, so the CUDA rule is lent to it): the tracked peak rises
     by exactly the gradient's bytes with the rule, and not at all without it, or for tensors on
     another device."""
     base, grad = _softmax_step_peak(None)
     assert _softmax_step_peak(DeviceKernels("cpu")) == (base, grad)  # the CPU has no rule of its own
-    monkeypatch.setitem(workspaces.KERNEL_SCRATCH, "cpu", workspaces.KERNEL_SCRATCH["cuda"])
-    assert _softmax_step_peak(DeviceKernels("cpu")) == (base + grad, grad)
-    assert _softmax_step_peak(DeviceKernels("cpu", scratch=False)) == (base, grad)
-    assert _softmax_step_peak(DeviceKernels("cuda")) == (base, grad)  # the tensors are not on its device
+    cuda = workspaces.KERNEL_SCRATCH["cuda"]
+    assert _softmax_step_peak(DeviceKernels("cpu", cuda)) == (base + grad, grad)
+    assert _softmax_step_peak(DeviceKernels("cpu", {})) == (base, grad)
+    assert _softmax_step_peak(DeviceKernels("cuda", cuda)) == (base, grad)  # the tensors are not on its device
 
 
 def test_softmax_backward_scratch_makes_the_cpu_stand_in_of_the_h200_step_exact():

@@ -239,28 +239,47 @@ def cmd_conformance(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="shardcore", description=__doc__)
+    # the module docstring is reST for the API docs; a terminal shows help as plain text
+    p = argparse.ArgumentParser(
+        prog="shardcore",
+        description="Plan a sharded run (units and per-rank memory), list the installed backends, or run the "
+        "conformance suite (shardcore-conformance).",
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
-    pp = sub.add_parser("plan", help="print the sharding units and the estimated per-rank memory")
+    pp = sub.add_parser(
+        "plan",
+        help="print the sharding units and each rank's memory, or with a batch shape the predicted peak",
+        description="Show which modules become sharding units and what each rank holds. With --batch-size and "
+        "--seq-len, predict the largest rank's peak memory, activations included, with fake tensors (no memory "
+        "allocated, no weights read); with --device-memory, say whether it fits; with --fit, search a config "
+        "that fits.",
+    )
     pp.add_argument("--config", required=True, help="JSON FSDP config or accelerate YAML")
     pp.add_argument("--model", required=True, help="module:factory, or a directory with a Hugging Face config.json")
-    pp.add_argument("--world-size", type=int, default=1)
+    pp.add_argument("--world-size", type=int, default=1, help="ranks to shard over (default: 1)")
     pp.add_argument("--batch-size", type=int, default=None, help="micro-batch per rank (rows): predicts the peak")
     pp.add_argument("--seq-len", type=int, default=None, help="tokens per row")
     pp.add_argument("--global-batch-size", type=int, default=None, help="checked to split into micro-batches")
-    pp.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    pp.add_argument(
+        "--optimizer", choices=("adamw", "sgd"), default="adamw", help="whose state the peak counts (default: adamw)"
+    )
     pp.add_argument("--device-memory", default=None, help="one device's memory, e.g. 80GiB: says whether it fits")
     pp.add_argument("--fit", action="store_true", help="search a config that fits --device-memory")
     pp.add_argument(
         "--allow",
         default=None,
-        help="knobs --fit may change (default all): activation_checkpointing,reshard_after_forward,cpu_offload,"
-        "mixed_precision,batch_size",
+        help="comma-separated knobs --fit may change (default: all of activation_checkpointing, "
+        "reshard_after_forward, cpu_offload, mixed_precision, batch_size)",
     )
     pp.add_argument("--fit-out", default="fit-config.json", help="where --fit writes the config it found")
     pp.add_argument("--json", action="store_true", help="machine-readable output")
     pp.set_defaults(func=cmd_plan)
-    pb = sub.add_parser("backends", help="list registered backends and whether they can run here")
+    pb = sub.add_parser(
+        "backends",
+        help="list registered backends and whether they can run here",
+        description="List the registered backends (entry-point group shardcore.backends) and whether each can "
+        "run here, with the reason.",
+    )
     pb.set_defaults(func=cmd_backends)
     pc = sub.add_parser(
         "conformance", help="run the conformance suite (same options as shardcore-conformance)", add_help=False

@@ -12,6 +12,7 @@ from .backend import Backend, World, resolve_backend
 from .capabilities import StepEnd
 from .config import ShardConfig, parse_config
 from .errors import AlreadyShardedError, ShardcoreError
+from .integrations import peft
 from .plan import WrapPlan, build_plan
 from .validate import validate
 
@@ -117,6 +118,8 @@ def shard(model: nn.Module, config: Any = None, *, backend: str | Backend | None
     validate(model, plan, cfg, chosen)
     if cfg.activation_checkpointing or cfg.xla_fsdp_grad_ckpt:
         _disable_kv_cache(model)
+    if peft.is_peft_model(model):
+        peft.remember_keys(model)
     log.info("shardcore: %s backend, %d units\n%s", chosen.name, len(plan.units), plan.describe())
     out = chosen.apply(model, plan, cfg)
     h = ShardedModel(chosen, cfg, plan)

@@ -50,7 +50,7 @@ def env_world() -> tuple[int, int, int]:
     return rank, size, local
 
 
-def ensure_process_group(timeout_s: float, device_type: str) -> None:
+def ensure_process_group(timeout_s: float, device_type: str, timeout_set: bool = False) -> None:
     """Initialise the default process group if the training script has not done so, for ranks on
     ``device_type`` (:func:`shardcore.devices.requested`): this rank's device is made current
     (``LOCAL_RANK``) and the group gets that device's backend with gloo beside it for CPU tensors
@@ -58,11 +58,15 @@ def ensure_process_group(timeout_s: float, device_type: str) -> None:
 
     An existing group must agree with the launcher's RANK / WORLD_SIZE. Once the group has more than
     one rank, each rank records its host and pid, so that a failed collective later says which rank
-    was lost (see :func:`describe_peers`)."""
+    was lost (see :func:`describe_peers`). ``timeout_set``: the config sets ``timeout``, which then
+    also applies to a group that already exists (one the script, or an earlier ``shard``, made)."""
     from . import devices
 
     if dist.is_initialized():
         _check_existing_group()
+        if timeout_set:
+            # private, but the one way torch offers to change an existing group's timeout (gloo and NCCL)
+            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s), dist.group.WORLD)
         devices.choose(device_type)
         _watch_peers()
         return

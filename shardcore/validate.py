@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
 from torch import nn
 
 from .capabilities import ConfigValidation, ModelValidation
 from .config import ShardConfig
-from .errors import ShardConfigError, UnsupportedKeyError
+from .errors import ShardConfigError, UnsupportedKeyError, WrapPlanError
 from .plan import WrapPlan
 
 #: name -> (shape, dtype name) of every parameter and buffer, tied ones under each name
@@ -30,6 +31,7 @@ def validate(model: nn.Module, plan: WrapPlan, config: ShardConfig, backend: Any
     run already, when the backend was resolved.)"""
     check_checkpointing_not_twice(model, config)
     check_units_to_checkpoint(plan, config)
+    check_not_quantized(model)
     if isinstance(backend, ConfigValidation):
         backend.validate(config)
     if isinstance(backend, ModelValidation):
@@ -170,3 +172,39 @@ def agree(key: str, problem: str | None, all_gather_object: Callable[[Any], list
     bad = next((p for p in all_gather_object(problem) if p), None)
     if bad:
         raise ShardConfigError(key, bad)
+
+
+def check_uniform_unit_dtypes(model: nn.Module, plan: Any) -> None:
+    """For a backend that shards each unit's parameters as one buffer of one dtype (FSDP2: "FSDP
+    expects uniform original parameter dtype"): a unit with two dtypes, such as a bf16 base with fp32
+    LoRA adapters (PEFT's ``autocast_adapter_dtype``), is refused, naming a parameter of each."""
+    params = dict(model.named_parameters())
+    for unit in plan.all_units():
+        seen: dict[torch.dtype, str] = {}
+        for n in unit.param_names:
+            p = params.get(n)
+            if p is not None and p.is_floating_point():
+                seen.setdefault(p.dtype, n)
+        if len(seen) > 1:
+            (a, na), (b, nb) = list(seen.items())[:2]
+            where = f"unit {unit.path!r}" if unit.path else "the root unit"
+            raise WrapPlanError(
+                "parameter dtypes",
+                f"{where} holds parameters of two dtypes: {na} is {str(a).removeprefix('torch.')} and {nb} is "
+                f"{str(b).removeprefix('torch.')}. FSDP2 shards a unit's parameters in one dtype. Give them one: "
+                "get_peft_model(model, config, autocast_adapter_dtype=False) keeps the adapters in the base's dtype, "
+                "or load the base in float32 and set mixed_precision: bf16 to compute in bf16.",
+            )
+
+
+def check_not_quantized(model: nn.Module) -> None:
+    """Quantized base weights (bitsandbytes 4-bit, torchao NF4) are not sharded yet: refused by name."""
+    for n, p in model.named_parameters():
+        kind = type(p).__name__
+        data = type(getattr(p, "data", p)).__name__
+        if kind in ("Params4bit", "Int8Params") or data in ("NF4Tensor", "AffineQuantizedTensor"):
+            raise WrapPlanError(
+                "quantized weights",
+                f"parameter {n} is quantized ({kind if kind != 'Parameter' else data}); shardcore does not shard "
+                "quantized bases yet (QLoRA). Load the base unquantized (bf16 or fp32) to train LoRA with shardcore.",
+            )

@@ -122,3 +122,77 @@ class NoSyncStillReducesBackend(FSDP2Backend):
         import contextlib
 
         return contextlib.nullcontext()
+
+
+def _without(config, **defaults):
+    """``config`` with keys put back to these values: the key accepted, its effect dropped."""
+    import dataclasses
+
+    return dataclasses.replace(config, **defaults)
+
+
+class IgnoresActivationCheckpointingBackend(FSDP2Backend):
+    """FSDP2 that accepts ``activation_checkpointing`` and keeps every activation: the same numbers and
+    collectives, none of the memory the key exists to save."""
+
+    name = "broken-ignores-ac"
+
+    def apply(self, model, plan, config):
+        return super().apply(model, plan, _without(config, activation_checkpointing=False))
+
+
+class IgnoresTimeoutBackend(FSDP2Backend):
+    """FSDP2 that accepts ``timeout`` and leaves the process group's timeout at the default: a peer that
+    stops is waited for 30 minutes instead of the configured time."""
+
+    name = "broken-ignores-timeout"
+
+    def validate_model(self, model, plan, config):
+        super().validate_model(model, plan, _without(config, timeout=1800.0))
+
+    def mesh(self, config):
+        return super().mesh(_without(config, timeout=1800.0))
+
+
+class IgnoresRank0WeightsBackend(FSDP2Backend):
+    """FSDP2 that accepts ``cpu_ram_efficient_loading`` and shards each rank's own weights instead of
+    rank 0's (the same as the key when every rank happens to hold the same weights)."""
+
+    name = "broken-ignores-rank0-weights"
+
+    def validate_model(self, model, plan, config):
+        super().validate_model(model, plan, _without(config, cpu_ram_efficient_loading=False))
+
+    def apply(self, model, plan, config):
+        return super().apply(model, plan, _without(config, cpu_ram_efficient_loading=False))
+
+
+class DropsOptimizerStateBackend(FSDP2Backend):
+    """FSDP2 whose checkpoints hold the state of an optimizer that never stepped: the model is saved
+    and loaded right, and a resumed run trains on with a fresh AdamW (no moments, step 0)."""
+
+    name = "broken-drops-optimizer-state"
+
+    def full_optimizer_state_dict(self, model, optimizer):
+        return super().full_optimizer_state_dict(model, untrained_like(optimizer))
+
+    def save_sharded_state_dict(self, model, optimizer, path):
+        super().save_sharded_state_dict(model, untrained_like(optimizer), path)
+
+
+def untrained_like(optimizer):
+    """An optimizer over the same parameters with the same settings whose state is what one step of
+    zero gradients at lr 0 leaves (moments zero, the parameters untouched): state of every entry a
+    checkpoint expects, none of what training put there."""
+    if optimizer is None:
+        return None
+    fresh = type(optimizer)([{**g, "lr": 0.0} for g in optimizer.param_groups])
+    params = [p for g in fresh.param_groups for p in g["params"] if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    fresh.step()
+    for p in params:
+        p.grad = None
+    for mine, theirs in zip(fresh.param_groups, optimizer.param_groups):
+        mine["lr"] = theirs["lr"]
+    return fresh

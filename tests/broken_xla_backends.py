@@ -7,6 +7,8 @@ import contextlib
 
 from shardcore_xla import SpmdBackend, XlaFsdpBackend
 
+from broken_backends import untrained_like
+
 
 class NoLocalBatchScaling(SpmdBackend):
     """SPMD that feeds every device the first device's slice instead of sharding the global batch."""
@@ -121,3 +123,68 @@ class ReplicatedParameters(SpmdBackend):
         for p in model.parameters():
             xs.mark_sharding(p, mesh, (None,) * p.dim())
         return super()._wrap(model, plan, config)
+
+
+def _without(config, **values):
+    import dataclasses
+
+    return dataclasses.replace(config, **values)
+
+
+class _DropsOptimizerState:
+    """Checkpoints that hold an untrained optimizer's state (``broken_backends.untrained_like``)."""
+
+    def full_optimizer_state_dict(self, model, optimizer):
+        return super().full_optimizer_state_dict(model, untrained_like(optimizer))
+
+    def save_sharded_state_dict(self, model, optimizer, path):
+        super().save_sharded_state_dict(model, untrained_like(optimizer), path)
+
+
+class _IgnoresGradCkpt:
+    """``xla_fsdp_grad_ckpt`` accepted and dropped: the same numbers and collectives, every activation kept."""
+
+    def _wrap(self, model, plan, config):
+        return super()._wrap(model, plan, _without(config, xla_fsdp_grad_ckpt=False))
+
+
+class _IgnoresComputeDtype:
+    """``xla_fsdp_settings: {compute_dtype: ...}`` accepted and dropped: the model computes in fp32."""
+
+    def _wrap(self, model, plan, config):
+        settings = {k: v for k, v in config.xla_fsdp_settings.items() if k != "compute_dtype"}
+        return super()._wrap(model, plan, _without(config, xla_fsdp_settings=settings))
+
+
+def _resolver(name, mixin):
+    """The ``xla`` name with ``mixin`` in both of its implementations (XLA FSDP and SPMD)."""
+    from shardcore_xla.backend import XLABackend
+
+    fsdp = type(f"{mixin.__name__}Fsdp", (mixin, XlaFsdpBackend), {})
+    spmd = type(f"{mixin.__name__}Spmd", (mixin, SpmdBackend), {})
+
+    class Resolver(XLABackend):
+        def __init__(self):
+            self._by_v2 = {False: fsdp(), True: spmd()}
+
+    Resolver.name = name
+    Resolver.__doc__ = mixin.__doc__
+    return Resolver
+
+
+IgnoresGradCkpt = _resolver("xla-broken-ignores-grad-ckpt", _IgnoresGradCkpt)
+DropsOptimizerState = _resolver("xla-broken-drops-optimizer-state", _DropsOptimizerState)
+IgnoresComputeDtype = _resolver("xla-broken-ignores-compute-dtype", _IgnoresComputeDtype)
+
+
+class IgnoresSpmd(XlaFsdpBackend):
+    """``xla_fsdp_v2: true`` accepted and run as XLA FSDP: every device computes its own rows with the
+    same numbers, and no SPMD program is ever built."""
+
+    name = "xla-broken-ignores-v2"
+
+    def validate(self, config):
+        super().validate(_without(config, xla_fsdp_v2=False))
+
+    def _wrap(self, model, plan, config):
+        return super()._wrap(model, plan, _without(config, xla_fsdp_v2=False))

@@ -25,7 +25,7 @@ os.environ.setdefault("USE_TORCH_XLA", "0")
 # most of an XLA run (a 18-case parity run spends 31 s of its 55 in 81 compilations, executing
 # takes 0.3 s), and -O0 halves it (parity run 97 s -> 64 s). The HLO the suite checks is the same;
 # only the machine code differs, as it does between CPUs, which the tolerances already cover
-# (README "Numerics"). `make conformance-xla` and users' runs keep XLA's default.
+# (docs/numerics.md). `make conformance-xla` and users' runs keep XLA's default.
 os.environ["XLA_FLAGS"] = harness.xla_flags(os.environ.get("XLA_FLAGS", ""))
 
 

@@ -274,7 +274,7 @@ def xla_flags(flags: str) -> str:
 
 #: another CPU's numerics on this one: XLA:CPU's code generation, torch's own CPU kernels, oneDNN and
 #: MKL all capped to SSE4.2 (below AVX2, which every x86-64 CPU of the last decade has). A verdict of
-#: the suite must not change with it (tests/test_numerics.py; README "Numerics").
+#: the suite must not change with it (tests/test_numerics.py; docs/numerics.md).
 CAPPED_ISA = {
     "XLA_FLAGS": xla_flags("--xla_cpu_max_isa=SSE4_2"),
     "ATEN_CPU_CAPABILITY": "default",

@@ -42,7 +42,9 @@ def _summary(out, verdict: str, counts: str, extra: str = "") -> bool:
     """The run's last line: ``PASS: fsdp2 on 2 x <device name>: 5/5 passed in 12s; report: ...``."""
     return (
         re.search(
-            rf"^{verdict}: \S+ on \d+ x .+: {counts} passed{re.escape(extra)} in \d+s; report: ", out.stdout, re.M
+            rf"^{verdict}: \S+ on \d+ x .+: {counts} passed{re.escape(extra)}(; .+ not observable on \S+)? in \d+s; report: ",
+            out.stdout,
+            re.M,
         )
         is not None
     )
@@ -90,7 +92,29 @@ def test_cli_runs_cases_and_writes_the_report(fsdp2_matrix_run):
     doc = json.loads((tmp_path / "report.json").read_text())
     assert doc["ok"] and doc["backend"] == "fsdp2" and doc["world_size"] == 2 and doc["passed"] == n
     # what it certifies: the CPU (no accelerator here), each rank's device, the software
-    assert doc["device_type"] == "cpu" and doc["headline"] == f"fsdp2 on 2 x {cpu_name()}: {n}/{n} passed"
+    unobservable = "; cpu_offload, torch_compile_backend, torch_compile_dynamic, torch_compile_fullgraph, "
+    unobservable += "torch_compile_mode, torch_compile_regional, use_cpu not observable on cpu"
+    assert doc["device_type"] == "cpu" and doc["headline"] == f"fsdp2 on 2 x {cpu_name()}: {n}/{n} passed{unobservable}"
+    # what each key did, observed: every key FSDP2 supports has a check, or the reason it cannot be seen here
+    ev = doc["evidence"]
+    assert sorted(ev) == doc["supported_keys"]
+    assert "recomputation" in ev["activation_checkpointing"]["observed_by"]
+    assert {"communication", "compute dtype"} <= set(ev["mixed_precision"]["observed_by"])
+    assert ev["state_dict_type"]["observed_by"] == ["resume"]
+    assert ev["cpu_ram_efficient_loading"]["observed_by"] == ["rank 0's weights"]
+    assert ev["timeout"]["observed_by"] == ["process-group timeout"]
+    assert {"communication", "numbers"} <= set(ev["dp_replicate_size"]["observed_by"])
+    assert ev["torch_compile"]["observed_by"] == ["compilation"]
+    assert "communication" in ev["reshard_after_forward"]["observed_by"]
+    for k in ("auto_wrap_policy", "min_num_params", "transformer_layer_cls_to_wrap"):
+        assert {"communication", "recomputation"} <= set(ev[k]["observed_by"]), k
+    for k, e in ev.items():  # observed, or said why not: never both, never neither
+        assert bool(e["observed_by"]) != bool(e["unobservable"]), (k, e)
+    assert ev["cpu_offload"]["unobservable"].startswith("the run's device is the CPU")
+    md = (tmp_path / "report.md").read_text()
+    assert "## Evidence" in md and "| `activation_checkpointing` | recomputation |" in md
+    resumed = [r for r in doc["cases"] if r["config"].get("state_dict_type") or r["case"] == "llama-resume"]
+    assert len(resumed) >= 3 and all(r["resume_at"] == 2 for r in resumed), resumed
     assert [(h["type"], h["name"]) for h in doc["hardware"]] == [("cpu", cpu_name())] * 2
     assert {"torch", "transformers"} <= set(doc["versions"])
     for r in doc["cases"]:  # every case said where it ran
@@ -170,6 +194,45 @@ def test_cli_catches_broken_backends(tmp_path, backend, case, expected):
         (row,) = doc["cases"]
         assert all(r.startswith("communication differs") for r in row["reasons"]), row["reasons"]
         assert row["max_param_diff"] <= row["tolerance"]["param_atol"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "backend, cases, check, key",
+    [
+        # each accepts a key and ignores it; numbers and collectives stay right, so only the check that
+        # observes the key's effect may fail, and its message names the key
+        (
+            "IgnoresActivationCheckpointingBackend",
+            "llama-transformer-reshard1-ac1,multi_output-mlp-ac1",
+            "recomputation differs in step 0 on rank 0: ",
+            "activation_checkpointing is set",
+        ),
+        ("IgnoresTimeoutBackend", "mlp-timeout", "timeout differs: ", "the config's 'timeout' is 600s"),
+        (
+            "IgnoresRank0WeightsBackend",
+            "llama-cpu_ram_efficient_loading",
+            "cpu_ram_efficient_loading is set, so rank 0's weights are the ones sharded",
+            "cpu_ram_efficient_loading",
+        ),
+        (
+            "DropsOptimizerStateBackend",
+            "llama-resume,llama-sharded_state_dict",
+            "resuming diverged: ",
+            "does the checkpoint hold the optimizer state",
+        ),
+    ],
+)
+def test_cli_catches_a_backend_that_ignores_a_key(tmp_path, backend, cases, check, key):
+    out = _run(["--backend", f"broken_backends:{backend}", "--cases", cases, "--report", str(tmp_path), "--no-plots"])
+    n = len(cases.split(","))
+    assert out.returncode == 1 and _summary(out, "FAIL", f"0/{n}"), out.stdout[-3000:] + out.stderr[-3000:]
+    doc = json.loads((tmp_path / "report.json").read_text())
+    for row in doc["cases"]:
+        first = row["reasons"][0]
+        assert first.startswith(check) and key in first, (row["case"], row["reasons"])
+        if "resum" not in check and "rank 0" not in check:  # nothing else differed
+            assert len(row["reasons"]) == 1 and row["max_param_diff"] <= row["tolerance"]["param_atol"], row
 
 
 @pytest.mark.multiprocess

@@ -201,3 +201,58 @@ def test_spmd_that_does_not_split_the_batch_fails_the_placement_check():
         assert len(v.reasons) == 1 and v.reasons[0].startswith(f"the batch is not split over the {n} devices"), (
             v.reasons
         )
+
+
+# --------------------------------------------------------------- keys accepted and ignored
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "backend, pattern, check, key",
+    [
+        # the same numbers and collectives, every activation kept: only the recomputation check sees it
+        (
+            "IgnoresGradCkpt",
+            "mlp-transformer-reshard1-v20-gc1,mlp-transformer-reshard1-v21-gc1",
+            "recomputation differs in step 0 on rank 0: ",
+            "xla_fsdp_grad_ckpt is set",
+        ),
+        # XLA FSDP and SPMD checkpoints without the optimizer's moments: resuming diverges
+        ("DropsOptimizerState", "llama-resume,llama-sharded_state_dict-v21", "resuming diverged: ", "optimizer state"),
+        # SPMD asked for, XLA FSDP run: the same numbers, each device fed its own rows
+        ("IgnoresSpmd", "multi_output-mlp-v21", "the batch is not split over the 2 devices", "xla_fsdp_v2 is set"),
+        # bf16 compute asked for, fp32 run: the all-gathers move fp32 (within bf16 tolerance, the numbers pass)
+        ("IgnoresComputeDtype", "mlp-xla-bf16", "communication differs at step 0", "all_gather"),
+    ],
+)
+def test_a_backend_that_ignores_a_key_fails_the_check_that_observes_it(backend, pattern, check, key):
+    from shardcore_conformance.cases import matrix_for, select
+
+    cases = select(matrix_for("xla", 2), pattern)
+    assert [c.name for c in cases] == pattern.split(",")
+    result = run_suite(cases, f"broken_xla_backends:{backend}", world_size=2, case_timeout=300)
+    for v in result.verdicts:
+        assert not v.ok and v.reasons[0].startswith(check) and key in v.reasons[0], (v.case, v.reasons)
+        if "resuming" not in check:  # nothing else differed
+            assert len(v.reasons) == 1 and v.max_param_diff <= v.tolerance["param_atol"], (v.case, v.reasons)
+
+
+# --------------------------------------------------------------- LoRA (PEFT) on both XLA modes
+
+
+@pytest.mark.multiprocess
+def test_lora_family_on_2_cpu_devices():
+    """A PEFT LoRA model in both XLA modes: trained to the single-device numbers with its base frozen,
+    resumed from its adapter (FULL) and SHARDED checkpoints, and its adapter directory loaded by PEFT's
+    own from_pretrained and its merged export by Transformers' to the reference's outputs."""
+    from shardcore_conformance.cases import matrix_for
+
+    cases = [c for c in matrix_for("xla", 2) if c.family == "lora"]
+    assert {"lora-llama", "lora-llama-v21", "lora-gpt2", "lora-llama-sharded_state_dict-v21"} <= {c.name for c in cases}
+    result = run_suite(cases, "xla", world_size=2, case_timeout=300)
+    _assert_ok(result)
+    for v in result.verdicts:
+        ck = result.sharded[v.case]["checkpoint"]
+        if "peft_probe" in ck:  # the adapter is a small part of the model
+            assert 0 < ck["adapter_bytes"] < ck["merged_bytes"] / 10, (v.case, ck["adapter_bytes"], ck["merged_bytes"])
+        assert result.reference[v.case]["frozen"], v.case  # the base: bit-identical after training

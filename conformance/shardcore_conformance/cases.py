@@ -27,6 +27,8 @@ from typing import Any
 
 from .models import MODELS
 
+#: checkpoint cases save after this many of their steps and resume from it
+RESUME_AT = 2
 #: the global batch of every case is this many rows per rank (times the world size)
 PER_RANK_BATCH = 4
 #: low-precision cases train at a lower lr: AdamW turns a bf16-rounded gradient of the wrong sign
@@ -46,7 +48,9 @@ class Case:
     ``requires_grad=False`` before sharding. ``family`` groups cases in the report.
     ``empty_weights``: every rank builds the model without weights
     (``shardcore.init_empty_weights``), shards it, and loads the seed's weights from a FULL
-    checkpoint with ``shardcore.load`` (sliced reading, ``SlicedLoading``).
+    checkpoint with ``shardcore.load`` (sliced reading, ``SlicedLoading``). ``resume_at`` k > 0: the
+    sharded run saves the model and optimizer after k steps, then trains on from a new model and
+    optimizer that loaded them; it must match the reference, which trains without a break.
     """
 
     name: str
@@ -64,12 +68,15 @@ class Case:
     max_grad_norm: float | None = None
     norm_type: float = 2.0
     empty_weights: bool = False
+    resume_at: int = 0
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
             raise ValueError(f"case {self.name!r}: unknown model {self.model!r}; known: {', '.join(MODELS)}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"case {self.name!r}: lr_schedule {self.lr_schedule!r}; known: {', '.join(LR_SCHEDULES)}")
+        if not 0 <= self.resume_at < self.steps:
+            raise ValueError(f"case {self.name!r}: resume_at {self.resume_at} is not a step of 0..{self.steps - 1}")
         if self.grad_accum < 1 or self.global_batch % self.grad_accum:
             raise ValueError(
                 f"case {self.name!r}: global_batch {self.global_batch} is not a multiple of grad_accum {self.grad_accum}"
@@ -205,13 +212,18 @@ def _matrix(backend: Any, world_size: int = 2, dtype: str | None = None) -> list
     if "transformer_layer_cls_to_wrap" in keys:
         for model in ("llama", "gpt2"):
             add(f"{model}-layer_cls", model, {"transformer_layer_cls_to_wrap": [_LAYER_CLS[model]]}, family="layer_cls")
+    # resuming is part of the certificate: every checkpoint case saves the model and its optimizer
+    # mid-run and trains on from a new model and optimizer that loaded them, in each format and mode
+    modes = [("", {})] + ([("-v21", {"xla_fsdp_v2": True})] if "xla_fsdp_v2" in keys else [])
+    for tag, mode in modes:
+        add(f"llama-resume{tag}", "llama", mode, resume_at=RESUME_AT, family="checkpoint")
     if "state_dict_type" in keys:
-        add("llama-sharded_state_dict", "llama", {"state_dict_type": "SHARDED_STATE_DICT"}, family="checkpoint")
-        if "xla_fsdp_v2" in keys:  # the other XLA mode writes another format
+        for tag, mode in modes:  # each XLA mode writes its own SHARDED format
             add(
-                "llama-sharded_state_dict-v21",
+                f"llama-sharded_state_dict{tag}",
                 "llama",
-                {"state_dict_type": "SHARDED_STATE_DICT", "xla_fsdp_v2": True},
+                {"state_dict_type": "SHARDED_STATE_DICT", **mode},
+                resume_at=RESUME_AT,
                 family="checkpoint",
             )
     if "cpu_ram_efficient_loading" in keys:
@@ -259,6 +271,8 @@ def _matrix(backend: Any, world_size: int = 2, dtype: str | None = None) -> list
         _hsdp_cases(add, keys, world_size, _clips(backend))
     if "torch_compile" in keys:
         _compile_cases(add, keys, world_size, _clips(backend))
+    if _peft_installed():
+        _lora_cases(add, keys, _clips(backend), modes)
     add("lr_schedule-mlp", "mlp", {}, lr_schedule="warmup_cosine", family="lr_schedule")
     add("lr_schedule-gpt2", "gpt2", {}, lr_schedule="warmup_cosine", family="lr_schedule")
 
@@ -302,6 +316,14 @@ def _matrix(backend: Any, world_size: int = 2, dtype: str | None = None) -> list
                     "compile-llama-mp-bf16",
                 )
             )
+    if knob is not None and _peft_installed():
+        out.append(
+            _low_precision(
+                Case("lora-llama-bf16", "llama_lora", dict(base), global_batch=gb, family="lora"),
+                knob,
+                "lora-llama-bf16",
+            )
+        )
     if knob is not None and _clips(backend):
         out.append(
             _low_precision(
@@ -319,6 +341,41 @@ def _matrix(backend: Any, world_size: int = 2, dtype: str | None = None) -> list
                 )
             )
     return out
+
+
+def _peft_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("peft") is not None
+
+
+def _lora_cases(add: Any, keys: frozenset[str], clips: bool, modes: list[tuple[str, dict[str, Any]]]) -> None:
+    """PEFT LoRA models (a frozen base with rank-4 adapters in the same units), on the Llama and on GPT-2
+    (whose fused ``c_attn`` is a ``Conv1D``), in each XLA mode, under each structural knob the backend
+    has, clipped, accumulated, and resumed from a SHARDED checkpoint. Every case's FULL checkpoint is
+    the adapter directory, which PEFT's own ``PeftModel.from_pretrained`` must load to the reference's
+    outputs, and its merged export must load with ``from_pretrained`` as a plain model."""
+    for tag, mode in modes:
+        add(f"lora-llama{tag}", "llama_lora", mode, family="lora")
+    add("lora-gpt2", "gpt2_lora", {}, family="lora")
+    if "reshard_after_forward" in keys:
+        add("lora-llama-reshard0", "llama_lora", {"reshard_after_forward": False}, family="lora")
+    ckpt = next((k for k in ("activation_checkpointing", "xla_fsdp_grad_ckpt") if k in keys), None)
+    if ckpt:
+        add("lora-llama-ac1", "llama_lora", {ckpt: True}, family="lora")
+    if clips:
+        add("lora-llama-clip", "llama_lora", {}, max_grad_norm=CLIP_NORM, family="lora")
+    add("lora-llama-grad_accum", "llama_lora", {}, grad_accum=2, family="lora")
+    add("lora-llama-resume", "llama_lora", {}, resume_at=RESUME_AT, family="lora")
+    if "state_dict_type" in keys:
+        for tag, mode in modes:
+            add(
+                f"lora-llama-sharded_state_dict{tag}",
+                "llama_lora",
+                {"state_dict_type": "SHARDED_STATE_DICT", **mode},
+                resume_at=RESUME_AT,
+                family="lora",
+            )
 
 
 def _hsdp_cases(add: Any, keys: frozenset[str], world_size: int, clips: bool) -> None:
@@ -347,6 +404,7 @@ def _hsdp_cases(add: Any, keys: frozenset[str], world_size: int, clips: bool) ->
                     f"{tag}-llama-sharded_state_dict",
                     "llama",
                     {**mesh, "state_dict_type": "SHARDED_STATE_DICT"},
+                    resume_at=RESUME_AT,
                     family="hsdp",
                 )
             add(f"{tag}-gpt2", "gpt2", mesh, family="hsdp")
@@ -384,7 +442,8 @@ def _compile_cases(add: Any, keys: frozenset[str], world_size: int, clips: bool)
     ]
     for key, tag, cfg in quick:
         if key in keys:
-            add(f"compile-llama-{tag}", "llama", {**COMPILE_QUICK, **cfg}, family="compile")
+            resume = RESUME_AT if key == "state_dict_type" else 0
+            add(f"compile-llama-{tag}", "llama", {**COMPILE_QUICK, **cfg}, resume_at=resume, family="compile")
     if "auto_wrap_policy" in keys:  # no unit but the root: the root is compiled
         add("compile-mlp-nowrap", "mlp", {**COMPILE_QUICK, "auto_wrap_policy": "NO_WRAP"}, family="compile")
     add("compile-grad_accum-llama", "llama", COMPILE_QUICK, grad_accum=2, family="compile")

@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"XPASS {v.case}: passed although --xfails expects it to fail ({expected_failures[v.case]})")
     xf = f", {len(result.expected())} expected failures" if result.expected() else ""
     print(
-        f"{'PASS' if result.ok else 'FAIL'}: {result.headline()}{xf} in {time.time() - t0:.0f}s; "
+        f"{'PASS' if result.ok else 'FAIL'}: {result.headline(xf)} in {time.time() - t0:.0f}s; "
         f"report: {os.path.join(args.report, 'report.md')}"
     )
     return EXIT_OK if result.ok else EXIT_MISMATCH

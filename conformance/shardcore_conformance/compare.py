@@ -28,7 +28,7 @@ class Tolerance:
 # two correct implementations is at most GRADIENT_ROUNDING (measured, tests/test_numerics.py), so
 # AdamW's eps (train.ADAM_EPS) bounds one step's parameter difference from rounding by
 # lr * GRADIENT_ROUNDING / eps = 2.5e-5, half of param_atol. Measured with it (2026-12-03, the whole
-# matrix, native AVX2 and capped to SSE4.2, eager and XLA alike; README "Numerics"): FSDP2 on 2 gloo ranks and XLA (both
+# matrix, native AVX2 and capped to SSE4.2, eager and XLA alike; docs/numerics.md): FSDP2 on 2 gloo ranks and XLA (both
 # modes, 1/2/4 CPU devices) against eager CPU: parameters <= 9e-6, losses <= 1.4e-6, gradient norms
 # <= 1.1e-6 relative, checkpoint outputs (logits) <= 1.2e-5 — all several times inside the bounds,
 # which a sharding bug exceeds by orders of magnitude (>= 1e-3 in the broken backends).
@@ -70,6 +70,8 @@ class Verdict:
     comm_pattern: str = ""
     #: graphs dynamo compiled in each optimizer step of the sharded run
     compiled_graphs: list[int] = field(default_factory=list)
+    #: check -> the keys of this case whose effect it observed (:mod:`.evidence` adds them up)
+    observed: dict[str, list[str]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -78,6 +80,14 @@ class Verdict:
 def _fail(v: Verdict, reason: str) -> None:
     v.ok = False
     v.reasons.append(reason)
+
+
+def _observed(v: Verdict, check: str, keys: Any, config: Any) -> None:
+    """``check`` saw the effect of those of ``keys`` that the case's parsed ``config`` sets."""
+    seen = sorted(set(keys) & set(config.non_default_keys()))
+    if seen:
+        v.observed.setdefault(check, [])
+        v.observed[check] = sorted(set(v.observed[check]) | set(seen))
 
 
 def compare(
@@ -104,8 +114,11 @@ def compare(
         _fail(v, f"step count differs: reference {len(rl)}, sharded {len(gl)}")
         return v
     v.max_loss_diff = max((abs(a - b) for a, b in zip(rl, gl)), default=0.0)
+    numbers_from = len(v.reasons)
+    first_loss = None
     for i, (a, b) in enumerate(zip(rl, gl)):
         if not abs(a - b) <= tol.loss_atol + tol.loss_rtol * abs(a):
+            first_loss = i
             _fail(v, f"loss differs at step {i}: reference {a:.9g}, sharded {b:.9g} (|diff| {abs(a - b):.3g})")
             break
     rels = [abs(a - b) / max(abs(a), 1e-12) for a, b in zip(ref["grad_norms"], got["grad_norms"])]
@@ -155,6 +168,20 @@ def compare(
     v.max_param_diff = worst
     if not worst <= tol.param_atol:
         _fail(v, f"final parameter {worst_key} differs by {worst:.3g} (tolerance {tol.param_atol:g})")
+    resumed = got.get("resumed_at")
+    if resumed and len(v.reasons) > numbers_from and (first_loss is None or first_loss >= resumed):
+        v.reasons.insert(
+            numbers_from,
+            f"resuming diverged: the sharded run saved its model and optimizer after {resumed} steps and trained "
+            f"on from a new model and optimizer that loaded them, and it differs from the uninterrupted run "
+            f"({v.reasons[numbers_from]}); does the checkpoint hold the optimizer state, and does load restore it?",
+        )
+    elif got.get("other_weights") and first_loss == 0:
+        v.reasons.insert(
+            numbers_from,
+            "cpu_ram_efficient_loading is set, so rank 0's weights are the ones sharded, but the run trained from "
+            f"the other ranks' own weights ({v.reasons[numbers_from]})",
+        )
     for k in ref.get("frozen", []):
         d = _max_abs(rp[k], gp[k])
         if not d == 0.0:
@@ -167,10 +194,90 @@ def compare(
     if ck is not None:
         _compare_checkpoint(v, tol, ref, ck)
     if config is not None:
+        from shardcore import parse_config
+
+        cfg = parse_config(config)
         _compare_communication(v, ref, got, config, grad_accum)
         _compare_compilation(v, got, config)
         _compare_placement(v, got, config)
+        _compare_effects(v, ref, got, cfg)
+        _observe_numbers(v, got, cfg)
     return v
+
+
+def _compare_effects(v: Verdict, ref: dict[str, Any], got: dict[str, Any], cfg: Any) -> None:
+    """What the modules did in the first step (:mod:`.effects`): recomputation and compute dtype;
+    and the process group's timeout."""
+    from .effects import RECOMPUTATION_KEYS, dtype_problems, recomputation_problems, recomputing_key
+
+    if "modules" in ref and got.get("modules"):
+        units = [u["path"] for u in ref.get("units", []) if u["path"]]
+        for problem in recomputation_problems(ref["modules"], got["modules"], units, cfg):
+            _fail(v, problem)
+        _observed(v, "recomputation", RECOMPUTATION_KEYS, cfg)
+        if recomputing_key(cfg) is not None:  # which modules recompute is which modules are units
+            _observed(v, "recomputation", WRAP_KEYS, cfg)
+        compute = _compute_dtype_name(cfg)
+        # XLA's compute_dtype is held to its all-gather bytes (communication), not to this check:
+        # torch_xla 2.9's XLA FSDP puts the gathered bf16 data into parameters that still say float32
+        # (_replace_xla_tensor keeps the dtype), so every op that promotes by the declared dtype (a norm's
+        # weight * x, and each Linear after it) computes in float32 (conformance/README.md, "Compute dtype
+        # under XLA FSDP").
+        if not dict(cfg.xla_fsdp_settings).get("compute_dtype"):
+            for problem in dtype_problems(ref["modules"], got["modules"], compute):
+                _fail(v, problem)
+            if compute is not None:
+                _observed(v, "compute dtype", ("mixed_precision",), cfg)
+    timeout = got.get("timeout")
+    if timeout is not None and "timeout" in cfg.non_default_keys():
+        if timeout != cfg.timeout:
+            _fail(
+                v,
+                f"timeout differs: the process group's timeout is {timeout:g}s, the config's 'timeout' is "
+                f"{cfg.timeout:g}s; a peer that stops would be waited for that long",
+            )
+        _observed(v, "process-group timeout", ("timeout",), cfg)
+
+
+def _compute_dtype_name(cfg: Any) -> str | None:
+    """The low-precision dtype a config computes in (``mixed_precision`` param dtype or XLA's
+    ``compute_dtype``), or None."""
+    mp = cfg.mixed_precision
+    if mp is not None and mp.param_dtype is not None:
+        return str(mp.param_dtype)
+    compute = dict(cfg.xla_fsdp_settings).get("compute_dtype")
+    return str(compute).removeprefix("torch.") if compute else None
+
+
+#: the keys that decide the units
+WRAP_KEYS = ("auto_wrap_policy", "min_num_params", "transformer_layer_cls_to_wrap")
+#: per communication pattern, the keys whose effect the check against its prediction sees
+COMMUNICATION_KEYS = {
+    "fsdp": ("reshard_after_forward", *WRAP_KEYS, "mixed_precision", "dp_replicate_size", "dp_shard_size"),
+    "xla_fsdp": ("reshard_after_forward", *WRAP_KEYS, "xla_fsdp_settings"),  # gathers in the compute dtype
+    "spmd": ("dp_replicate_size", "dp_shard_size"),
+}
+
+
+def _observe_numbers(v: Verdict, got: dict[str, Any], cfg: Any) -> None:
+    """The keys whose effect the numbers, the placement, the compilation or a resumed run show."""
+    if got.get("resumed_at"):
+        _observed(v, "resume", ("state_dict_type",), cfg)
+    if got.get("other_weights"):  # ranks but 0 started from other weights: only rank 0's may be trained
+        _observed(v, "rank 0's weights", ("cpu_ram_efficient_loading",), cfg)
+    if cfg.dp_replicate_size and cfg.dp_replicate_size > 1:  # every replica trains on its own rows
+        _observed(v, "numbers", ("dp_replicate_size", "dp_shard_size"), cfg)
+    placement = got.get("placement") or {}
+    requested = placement.get("requested")
+    if requested:
+        keys = ["xla"] if requested == "xla" else []
+        if requested != "cpu":
+            keys += ["cpu_offload", "use_cpu"]
+        if placement.get("devices", 1) > 1:
+            keys.append("xla_fsdp_v2")  # SPMD splits one global batch over the devices
+        _observed(v, "placement", keys, cfg)
+    if v.compiled_graphs:
+        _observed(v, "compilation", ("torch_compile",), cfg)
 
 
 def _compare_communication(
@@ -194,6 +301,8 @@ def _compare_communication(
         v.comm_checked = True
         for problem in check(comm["ranks"], expected)[:1]:
             _fail(v, problem)
+        if comm["world_size"] > 1:  # a collective over one rank moves nothing and is not counted
+            _observed(v, "communication", COMMUNICATION_KEYS.get(comm.get("pattern"), ()), parse_config(config))
     v.comm = {
         k: {
             "count": first[k]["count"],
@@ -212,7 +321,8 @@ def _compare_placement(v: Verdict, got: dict[str, Any], config: dict[str, Any]) 
 
     placement = got.get("placement")
     if placement:
-        spmd = got.get("comm", {}).get("pattern") == "spmd"
+        # from the config, not from the backend: a backend that ignores xla_fsdp_v2 feeds each device its own rows
+        spmd = got.get("comm", {}).get("pattern") == "spmd" or parse_config(config).xla_fsdp_v2
         for problem in placement_problems(placement, parse_config(config), spmd):
             _fail(v, problem)
 
@@ -226,7 +336,8 @@ def _compare_compilation(v: Verdict, got: dict[str, Any], config: dict[str, Any]
         return
     if graphs[0] == 0:
         _fail(v, "torch_compile is set but dynamo compiled no graph in the first step: the units ran eagerly")
-    later = [(i, n) for i, n in enumerate(graphs) if i and n]
+    fresh = {0, got.get("resumed_at") or 0}  # a resumed run compiles its new model again
+    later = [(i, n) for i, n in enumerate(graphs) if i not in fresh and n]
     if later:
         i, n = later[0]
         _fail(v, f"recompiled after the first optimizer step: {n} new graph(s) in step {i} (torch_compile)")
@@ -249,17 +360,30 @@ def _compare_checkpoint(v: Verdict, tol: Tolerance, ref: dict[str, Any], ck: dic
             f"checkpoint round trip ({v.checkpoint_method}): the sharded model loaded from its own checkpoint "
             f"differs from its state before saving by {reload:.3g}",
         )
-    if "probe" in ck and "probe" in ref:
-        a, b = ref["probe"], ck["probe"]
+    if "probe" not in ref:
+        return
+    loaded = {
+        "probe": "the model loaded from the checkpoint",
+        # a PEFT model's FULL checkpoint, as PEFT and Transformers users load it
+        "peft_probe": "PeftModel.from_pretrained(base, adapter directory)",
+        "merged_probe": "AutoModelForCausalLM.from_pretrained(merged export)",
+    }
+    for key, what in loaded.items():
+        if key not in ck:
+            continue
+        a, b = ref["probe"], ck[key]
         if tuple(a.shape) != tuple(b.shape):
-            _fail(v, f"checkpoint round trip: outputs have shape {tuple(b.shape)}, reference {tuple(a.shape)}")
-            return
-        v.max_output_diff = _max_abs(a, b)
-        if not v.max_output_diff <= tol.output_atol:
+            _fail(
+                v, f"checkpoint round trip: outputs of {what} have shape {tuple(b.shape)}, reference {tuple(a.shape)}"
+            )
+            continue
+        d = _max_abs(a, b)
+        v.max_output_diff = d if math.isnan(v.max_output_diff) else max(v.max_output_diff, d)
+        if not d <= tol.output_atol:
             _fail(
                 v,
-                f"checkpoint round trip: outputs of the model loaded from the checkpoint differ from the "
-                f"reference's by {v.max_output_diff:.3g} (tolerance {tol.output_atol:g})",
+                f"checkpoint round trip: outputs of {what} differ from the reference's by {d:.3g} "
+                f"(tolerance {tol.output_atol:g})",
             )
 
 

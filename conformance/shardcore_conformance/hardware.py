@@ -125,7 +125,8 @@ def placement_problems(placement: dict[str, Any], config: Any, spmd: bool) -> li
                 if not dims or dims[0] != n or "last_tile_dim_replicate" in spec:
                     problems.append(
                         f"the batch is not split over the {n} devices: its sharding is {spec or 'none'}, expected dim 0 "
-                        f"over all {n} (every device computing the same rows trains right, {n}x slower)"
+                        f"over all {n} (xla_fsdp_v2 is set: SPMD splits one global batch; every device computing "
+                        f"the same rows trains right, {n}x slower)"
                     )
                     break
         if problems:

@@ -219,7 +219,7 @@ def _run_cases_here(rank: int, cases: list[dict], backend: str | None, out: Path
         case = Case.from_dict(d)
         (out / f"progress.{rank}").write_text(json.dumps({"case": case.name, "t": time.time()}))
         try:
-            result = run_case(case, backend)
+            result = run_case(case, backend, rank)
         except BaseException:
             (out / f"{case.name}.error.{rank}").write_text(traceback.format_exc())
             raise

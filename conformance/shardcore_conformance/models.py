@@ -193,6 +193,24 @@ def build_gpt2(**overrides) -> nn.Module:
     return _tiny_model("gpt2", overrides)
 
 
+#: the LoRA cases' adapters: the attention projections of each architecture (GPT-2's fused c_attn is a
+#: Conv1D, whose weight PEFT reads transposed)
+LORA_TARGETS = {"llama": ["q_proj", "v_proj"], "gpt2": ["c_attn"]}
+
+
+def build_lora(arch: str) -> nn.Module:
+    """A tiny model wrapped by PEFT with a rank-4 LoRA adapter (``get_peft_model``): the base frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS[arch], task_type="CAUSAL_LM")
+    return get_peft_model(_tiny_model(arch, {}), config)
+
+
+def lora_base(arch: str) -> nn.Module:
+    """The base model of :func:`build_lora` alone, as PEFT's ``from_pretrained`` gets it."""
+    return _tiny_model(arch, {})
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """How to build one conformance model and feed it.
@@ -222,7 +240,13 @@ MODELS: dict[str, ModelSpec] = {
     "mlp_unused": ModelSpec(UnusedParamMLP, "regression"),
     "llama": ModelSpec(build_llama, "causal_lm", size_wrap_min_params=2000),
     "gpt2": ModelSpec(build_gpt2, "causal_lm", size_wrap_min_params=None, tied=True),
+    "llama_lora": ModelSpec(lambda: build_lora("llama"), "causal_lm", size_wrap_min_params=2000),
+    "gpt2_lora": ModelSpec(lambda: build_lora("gpt2"), "causal_lm", size_wrap_min_params=None, tied=True),
 }
+
+
+def is_lora(name: str) -> bool:
+    return name.endswith("_lora")
 
 
 def spec(name: str) -> ModelSpec:

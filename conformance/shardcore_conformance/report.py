@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from .cases import Case, covered_keys
 from .compare import TOLERANCES, Verdict
+from .evidence import markdown as evidence_markdown
 from .hardware import versions
 
 if TYPE_CHECKING:
@@ -63,6 +64,11 @@ def _case_row(v: Verdict, c: Case, ref: dict[str, Any], got: dict[str, Any]) -> 
         "steps": c.steps,
         "global_batch": c.global_batch,
         "grad_accum": c.grad_accum,
+        "resume_at": c.resume_at,
+        # a LoRA case's FULL checkpoint (the adapter) against its merged export, in bytes
+        "checkpoint_bytes": {
+            k: v for k, v in (got.get("checkpoint") or {}).items() if k in ("adapter_bytes", "merged_bytes")
+        },
         "lr": c.lr,
         "lr_schedule": c.lr_schedule,
         "frozen": list(c.frozen),
@@ -120,6 +126,7 @@ def write_report(result: "SuiteResult", cases: list[Case], out: Path, plots: boo
         "supported_keys": supported,
         "covered_keys": coverage,
         "uncovered_keys": uncovered,
+        "evidence": result.evidence(),
         "families": families,
         "plots": [str(p.relative_to(out)) for p in plot_files],
         "cases": rows,
@@ -204,7 +211,14 @@ def _markdown(result, families, coverage, uncovered, plot_files, out: Path) -> s
     lines = [
         f"# shardcore conformance: {result.headline()}",
         "",
-        f"**{'PASS' if result.ok else 'FAIL'}**: {result.headline()}{expected}, in {result.seconds:.0f}s.",
+        f"**{'PASS' if result.ok else 'FAIL'}**: {result.headline(expected)}, in {result.seconds:.0f}s.",
+        "",
+        "## Evidence",
+        "",
+        "What this run proved of each key the backend supports: the checks that observed its effect, or why "
+        "none could on this device. A key no check observed is not certified by this report.",
+        "",
+        *evidence_markdown(result.evidence()),
         "",
         *_hardware_section(result),
     ]

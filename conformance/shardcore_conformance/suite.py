@@ -60,12 +60,22 @@ class SuiteResult:
         """Each rank's device as torch reported it: type, index, name, runtime."""
         return [r.get("hardware", {}) for r in self.placement().get("ranks", [])]
 
-    def headline(self) -> str:
-        """``fsdp2 on 2 x <device name>: 74/74 passed``."""
+    def headline(self, extra: str = "") -> str:
+        """``fsdp2 on 2 x <device name>: 74/74 passed``, then ``extra`` (expected failures), then the
+        keys whose effect no check observed (``; cpu_offload not observable on cpu``)."""
+        from .evidence import headline_suffix
+
         n = self.placement().get("devices") or self.world_size
         names = sorted({h.get("name", "?") for h in self.hardware()}) or [self.device_type or "?"]
         where = f"{n} x {names[0]}" if len(names) == 1 else f"{n} devices ({', '.join(names)})"
-        return f"{self.backend} on {where}: {sum(v.ok for v in self.verdicts)}/{len(self.verdicts)} passed"
+        passed = f"{sum(v.ok for v in self.verdicts)}/{len(self.verdicts)} passed"
+        return f"{self.backend} on {where}: {passed}{extra}{headline_suffix(self.evidence(), self.device_type)}"
+
+    def evidence(self) -> dict[str, dict[str, Any]]:
+        """Per supported key, the checks that observed its effect or why none could (:mod:`.evidence`)."""
+        from .evidence import evidence
+
+        return evidence(self)
 
     def unexpected_passes(self) -> list[Verdict]:
         """Cases expected to fail that passed: the expectation is stale."""

@@ -21,6 +21,7 @@ import math
 import os
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +33,9 @@ from shardcore.ties import retie_like
 
 from .cases import Case
 from .comm import autograd_facts, recorder_for
+from .effects import ModuleCalls, group_timeout, holder_classes, other_weights
 from .hardware import DEVICE_ENV, hardware
-from .models import build_model, forward_output, loss_fn, make_batches, probe_batch
+from .models import build_model, forward_output, is_lora, lora_base, loss_fn, make_batches, probe_batch
 
 #: environment variables the suite sets for its workers
 REFERENCE_DEVICE_ENV = "SHARDCORE_CONFORMANCE_REFERENCE_DEVICE"  # where the reference runs (default cpu)
@@ -48,7 +50,7 @@ PROGRESS_ENV = "SHARDCORE_CONFORMANCE_PROGRESS"  # a file rank 0 appends a line 
 #: whose 64 token terms are ~0.1. At eps 1e-6 (gain lr/eps = 1e4) that became 5.1e-5 after one step
 #: and 1.7e-4 after five, a verdict decided by the CPU. At eps 1e-4 (gain 100) the same run differs
 #: by 4.1e-6, while every real gradient here (>= 1e-3 on the entries that matter) still takes
-#: AdamW's full-size, sign-like step. See the README's "Numerics" section for the measurements.
+#: AdamW's full-size, sign-like step. docs/numerics.md has the measurements.
 ADAM_EPS = 1e-4
 
 
@@ -120,64 +122,76 @@ def freeze(model: nn.Module, patterns: tuple[str, ...]) -> list[str]:
     return names
 
 
-def run_case(case: Case, backend: Any | None) -> dict[str, Any]:
+def run_case(case: Case, backend: Any | None, rank: int = 0) -> dict[str, Any]:
     """Train ``case`` and return per-step losses, gradient norms, learning rates, the final full
-    parameters and buffers, and (sharded) the checkpoint round trip or (reference) probe outputs.
+    parameters and buffers, what the modules did in the first step (:mod:`.effects`), and (sharded)
+    the checkpoint round trip or (reference) probe outputs.
 
     ``backend`` None runs the single-device reference; otherwise the backend name (or
-    ``module:Class``) given to ``shardcore.shard``.
+    ``module:Class``) given to ``shardcore.shard``. ``rank``: this worker's rank (a device thread's
+    ordinal), known before anything is sharded. A case with ``resume_at`` saves the sharded model
+    and its optimizer after that many steps, builds a new model and optimizer, loads them and trains
+    on: the result must be the uninterrupted reference's.
     """
+    import shardcore
+
     t0 = time.time()
     model = build_model(case.model, case.seed)
-    frozen = freeze(model, case.frozen)
+    classes = holder_classes(model)
+    freeze(model, case.frozen)
+    # the case's patterns, and what the model froze itself (a PEFT model's base): all must stay as they were
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    cfg = shardcore.parse_config(case.config)
     recorder = compiled = None
+    units: list[dict[str, Any]] = []
     if backend is None:
-        import shardcore
-
         # a case that trains on the CPU whatever the run certifies (use_cpu) is compared with the CPU
-        runtime: Any = LocalRuntime("cpu" if shardcore.parse_config(case.config).use_cpu else None)
+        runtime: Any = LocalRuntime("cpu" if cfg.use_cpu else None)
         model.to(runtime.device)
         world_size = 1
         units = _unit_facts(case, model, runtime)
     else:
         compiled = _CompileCounter(case)
-        import shardcore
-
-        weights = _without_weights(case, model) if case.empty_weights else None
-        if weights is not None:
-            model, weights = weights
-            freeze(model, case.frozen)
-        model = shardcore.shard(model, case.config, backend=backend)
-        if weights is not None:
-            shardcore.load(model, weights)
+        model = _sharded(case, model, backend, rank)
         runtime = shardcore.handle(model).backend
         world_size = runtime.world().size
         recorder = recorder_for(runtime, world_size)
-    opt = torch.optim.AdamW(model.parameters(), lr=case.lr, weight_decay=0.01, eps=ADAM_EPS)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(case.lr_schedule, s, case.steps))
+    opt = _optimizer(case, model)
+    sched = _schedule(case, opt)
+    # compiled units would trace the hooks into their graphs (dynamo), and recompute without Python
+    calls = None
+    if not cfg.torch_compile:
+        paths = tuple(u["path"] for u in units if u["path"]) if backend is None else ()
+        calls = ModuleCalls(model, classes, by_name=backend is None, units=paths)
     compute_dtype = _reference_compute_dtype(case) if backend is None else None
     step_end = runtime.step_end if isinstance(runtime, StepEnd) else None  # lazy tensors: cut the step's graph
     losses, grad_norms, clip_norms, lrs = [], [], [], []
     placement: dict[str, Any] | None = None
-    for batch in make_batches(case.model, case.steps, case.global_batch, case.seed):
+    for step, batch in enumerate(make_batches(case.model, case.steps, case.global_batch, case.seed)):
+        if backend is not None and step and step == case.resume_at:
+            model, opt, sched = _resumed(case, model, opt, backend, rank)
         step_loss = None
         micros = _micro_batches(batch, case.grad_accum)
         if recorder is not None:
             recorder.begin_step()
-        for i, micro in enumerate(micros):
-            # only the step's forward and backward communicate for the sharding; the suite's own
-            # reductions of metrics below are not counted
-            counting = recorder.recording() if recorder is not None else contextlib.nullcontext()
-            with counting, _accumulating(model, backend, last=i == len(micros) - 1):
-                if compute_dtype is None:
-                    local = runtime.local_batch(micro)
-                    loss = loss_fn(case.model, model, local)
-                    if placement is None:
-                        placement = _placement_of(local, loss)
-                    (loss / case.grad_accum).backward()
-                else:
-                    loss = _low_precision_step(case, model, runtime.local_batch(micro), compute_dtype)
-            step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
+        observing = calls.recording() if calls is not None and step == 0 else contextlib.nullcontext()
+        with observing, _whole_recomputation(step == 0):
+            for i, micro in enumerate(micros):
+                # only the step's forward and backward communicate for the sharding; the suite's own
+                # reductions of metrics below are not counted
+                counting = recorder.recording() if recorder is not None else contextlib.nullcontext()
+                with counting, _accumulating(model, backend, last=i == len(micros) - 1):
+                    if compute_dtype is None:
+                        local = runtime.local_batch(micro)
+                        loss = loss_fn(case.model, model, local)
+                        if placement is None:
+                            placement = _placement_of(local, loss)
+                        (loss / case.grad_accum).backward()
+                    else:
+                        loss = _low_precision_step(case, model, runtime.local_batch(micro), compute_dtype)
+                step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
+        if calls is not None and step == 0:
+            calls.uninstall()
         if recorder is not None:
             recorder.after_backward(model)
         if placement is not None and "params" not in placement:
@@ -206,6 +220,8 @@ def run_case(case: Case, backend: Any | None) -> dict[str, Any]:
     probe = probe_batch(case.model, seed=case.seed)
     if backend is None:
         out["units"] = units
+        if calls is not None:
+            out["modules"] = calls.record()
         with torch.no_grad():
             out["probe"] = forward_output(case.model, model, runtime.local_batch(probe)).cpu()
     else:
@@ -215,15 +231,87 @@ def run_case(case: Case, backend: Any | None) -> dict[str, Any]:
             "world_size": getattr(recorder, "world_size", world_size),
             "ranks": _every_rank(runtime, recorder.steps) if recorder is not None else [],
         }
+        if calls is not None:
+            out["modules"] = _every_rank(runtime, calls.record())
         out["compile"] = {"graphs_per_step": compiled.graphs_per_step}
         out["placement"] = {
             "requested": os.environ.get(DEVICE_ENV, ""),
             "devices": _device_count(runtime),
             "ranks": _every_rank(runtime, {**(placement or {}), "hardware": hardware(runtime.world().device)}),
         }
+        out["timeout"] = group_timeout()
+        out["other_weights"] = bool(cfg.cpu_ram_efficient_loading and not case.empty_weights and world_size > 1)
+        out["resumed_at"] = case.resume_at or None
         out["checkpoint"] = checkpoint_round_trip(case, model, runtime, state, probe, step_end)
     _note_progress(case, backend, runtime, time.time() - t0)
     return out
+
+
+def fresh_model(case: Case) -> nn.Module:
+    """A model whose every weight that a checkpoint of ``case`` holds differs from the seed's, so that
+    loading must overwrite each: another seed, or for a LoRA case (whose FULL checkpoint holds only the
+    adapter; the base is what the user loads from elsewhere) the seed's base with shifted adapters."""
+    if not is_lora(case.model):
+        return build_model(case.model, case.seed + 1)
+    model = build_model(case.model, case.seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(1.0)
+    return model
+
+
+def _whole_recomputation(first_step: bool) -> Any:
+    """In the observed first step, a checkpointed unit recomputes its whole forward: non-reentrant
+    ``torch.utils.checkpoint`` otherwise stops once it has what backward needs, so how many modules
+    run again would depend on the unit's last ones. The values computed are the same either way."""
+    if not first_step:
+        return contextlib.nullcontext()
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+
+    return set_checkpoint_early_stop(False)
+
+
+def _optimizer(case: Case, model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=case.lr, weight_decay=0.01, eps=ADAM_EPS)
+
+
+def _schedule(case: Case, opt: torch.optim.Optimizer, done: int = 0) -> Any:
+    """The case's schedule, ``done`` steps in (a resumed run's new optimizer starts where the saved one was)."""
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(case.lr_schedule, s + done, case.steps))
+
+
+def _sharded(case: Case, model: nn.Module, backend: Any, rank: int) -> nn.Module:
+    """``model`` (frozen as the case says) sharded by ``backend``. ``empty_weights``: every rank builds
+    it again without weights and reads the seed's from a FULL checkpoint. ``cpu_ram_efficient_loading``:
+    the ranks other than 0 hold other weights, which the key says are replaced by rank 0's."""
+    import shardcore
+
+    weights = _without_weights(case, model) if case.empty_weights else None
+    if weights is not None:
+        model, weights = weights
+        freeze(model, case.frozen)
+    elif rank != 0 and shardcore.parse_config(case.config).cpu_ram_efficient_loading:
+        other_weights(model)
+    model = shardcore.shard(model, case.config, backend=backend)
+    if weights is not None:
+        shardcore.load(model, weights)
+    return model
+
+
+def _resumed(case: Case, model: nn.Module, opt: torch.optim.Optimizer, backend: Any, rank: int) -> tuple:
+    """Save ``model`` and ``opt`` after ``case.resume_at`` steps (in the config's format), then build a
+    new model from another seed, shard it, give it a new optimizer and schedule, and load both."""
+    import shardcore
+
+    path = _scratch_dir(case) / "resume"
+    shardcore.save(model, path, opt)
+    fresh = fresh_model(case)
+    freeze(fresh, case.frozen)
+    fresh = _sharded(replace(case, empty_weights=False), fresh, backend, rank)
+    new_opt = _optimizer(case, fresh)
+    shardcore.load(fresh, path, new_opt)
+    return fresh, new_opt, _schedule(case, new_opt, done=case.resume_at)
 
 
 def _types(tensors: Any) -> list[str]:
@@ -389,11 +477,16 @@ def checkpoint_round_trip(
     use_api = hasattr(shardcore, "save") and hasattr(shardcore, "load")
     kind = shardcore.handle(model).config.state_dict_type
     fresh_via_api = use_api and kind == "FULL_STATE_DICT"
+    merged = None
+    if use_api and kind == "FULL_STATE_DICT" and is_lora(case.model):
+        merged = scratch / "merged"
+        shardcore.save(model, merged, merged=True)
     if use_api:
         shardcore.save(model, path)
         with torch.no_grad():
             for p in model.parameters():
-                p.zero_()
+                if merged is None or p.requires_grad:  # an adapter checkpoint holds the adapter only
+                    p.zero_()
         if step_end is not None:
             step_end()
         shardcore.load(model, path)
@@ -407,7 +500,7 @@ def checkpoint_round_trip(
     )
     if rank != 0:
         return out
-    fresh = build_model(case.model, case.seed + 1)  # another seed: loading must overwrite every weight
+    fresh = fresh_model(case)
     if fresh_via_api:
         shardcore.load(fresh, path)
     else:
@@ -422,7 +515,34 @@ def checkpoint_round_trip(
     fresh.to(here.device)
     with torch.no_grad():
         out["probe"] = forward_output(case.model, fresh, here.local_batch(probe)).cpu()
+    if merged is not None:
+        out.update(_peft_round_trips(case, path, merged, here, probe))
     return out
+
+
+def _peft_round_trips(case: Case, adapter: Path, merged: Path, here: LocalRuntime, probe) -> dict[str, Any]:
+    """A LoRA case's FULL checkpoint as the PEFT and Transformers user loads it: the adapter directory
+    with ``PeftModel.from_pretrained`` onto the seed's base, the merged export with
+    ``AutoModelForCausalLM.from_pretrained``; the outputs of each on the probe batch."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from .models import _BUILD_LOCK
+
+    arch = case.model.removesuffix("_lora")
+    with _BUILD_LOCK:
+        torch.manual_seed(case.seed)  # the base build_model's PEFT model wraps: the same draws, first
+        base = lora_base(arch)
+    with torch.no_grad():
+        peft_model = PeftModel.from_pretrained(base, str(adapter)).to(here.device)
+        plain = AutoModelForCausalLM.from_pretrained(str(merged)).to(here.device)
+        batch = here.local_batch(probe)
+        return {
+            "peft_probe": forward_output(case.model, peft_model, batch).cpu(),
+            "merged_probe": forward_output(case.model, plain, batch).cpu(),
+            "adapter_bytes": sum(f.stat().st_size for f in adapter.glob("adapter_model*.safetensors")),
+            "merged_bytes": sum(f.stat().st_size for f in merged.glob("model*.safetensors")),
+        }
 
 
 def _max_diff(a: dict[str, Any], b: dict[str, Any]) -> float:

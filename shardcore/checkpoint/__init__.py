@@ -36,7 +36,9 @@ from torch import nn
 from ..capabilities import SlicedLoading
 from ..empty import awaiting_weights, weights_arrived
 from ..errors import CheckpointError, ShardcoreError
+from ..integrations import peft
 from . import atomic, full, keys, manifest
+from .confine import inside
 from .full import OPTIMIZER_META, OPTIMIZER_TENSORS, WEIGHTS, WEIGHTS_INDEX
 from .keys import DCP_METADATA, SHARD_INDEX, tied_names
 from .manifest import FORMAT_VERSION, MANIFEST
@@ -73,20 +75,38 @@ def save(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     state_dict_type: str | None = None,
+    merged: bool = False,
 ) -> Path:
     """Save ``model`` (and ``optimizer``) to the directory ``path``. Collective: call on every rank.
 
     The format is ``state_dict_type`` if given, else the config's ``state_dict_type`` (a model not
     sharded by shardcore saves FULL). An existing shardcore checkpoint at ``path`` is replaced
     atomically once the new one is complete; anything else at ``path`` is never touched.
+
+    A PEFT model's FULL checkpoint is what ``PeftModel.save_pretrained`` writes: ``adapter_config.json``
+    and ``adapter_model.safetensors`` (the adapter's weights only, gathered from every rank, under PEFT's
+    key names). With ``merged=True`` it is instead the base Transformers model with the adapter folded
+    into its weights, which ``AutoModelForCausalLM.from_pretrained`` loads.
     """
     runtime, cfg = runtime_of(model)
+    peft_model = peft.peft_of(model)
+    if merged and (peft_model is None or optimizer is not None):
+        raise CheckpointError(
+            f"shardcore.save({str(path)!r}, merged=True): "
+            + (
+                f"merging folds a PEFT adapter into its base model, and {type(model).__name__} is no PEFT model. "
+                "Save without merged=True."
+                if peft_model is None
+                else "a merged model has no adapter left for the optimizer's state. Save the optimizer with the "
+                "adapter checkpoint (merged=False), and export the merged model without optimizer=."
+            )
+        )
     if awaiting_weights(model):
         raise CheckpointError(
             f"shardcore.save({str(path)!r}): this model was sharded without weights and nothing was loaded into "
             "it yet, so it would save uninitialized memory. Call shardcore.load(model, path) first."
         )
-    kind = resolve_state_dict_type(state_dict_type, cfg)
+    kind = FULL if merged else resolve_state_dict_type(state_dict_type, cfg)
     if kind == SHARDED and cfg is None:
         raise CheckpointError(
             f"shardcore.save({str(path)!r}): state_dict_type SHARDED_STATE_DICT needs a model returned by "
@@ -97,7 +117,10 @@ def save(
     tmp = Path(on_rank0(runtime, lambda: str(atomic.prepare_destination(final))))
     try:
         meta = manifest.build_manifest(model, kind, world, runtime, optimizer is not None)
-        if kind == FULL:
+        if kind == FULL and peft_model is not None:
+            meta["peft"] = "merged" if merged else "adapter"
+            _save_peft(runtime, model, peft_model, optimizer, tmp, final, meta, merged)
+        elif kind == FULL:
             _save_full(runtime, model, optimizer, tmp, final, meta)
         else:
             _save_sharded(runtime, model, optimizer, path, tmp, final, meta)
@@ -121,6 +144,33 @@ def _save_full(runtime: Any, model: nn.Module, optimizer: Any, tmp: Path, final:
     on_rank0(runtime, write)
 
 
+def _save_peft(
+    runtime: Any,
+    model: nn.Module,
+    peft_model: Any,
+    optimizer: Any,
+    tmp: Path,
+    final: Path,
+    meta: dict[str, Any],
+    merged: bool,
+) -> None:
+    """Gather on every rank (a collective); rank 0 writes the adapter directory, or the merged model."""
+    state = runtime.full_state_dict(model)
+    osd = runtime.full_optimizer_state_dict(model, optimizer) if optimizer is not None else None
+
+    def write() -> None:
+        if merged:
+            plain = peft.merged_model(peft_model, state)
+            full.write_full(tmp, plain, plain.state_dict(), None)
+            _finish(tmp, final, plain, meta)
+            return
+        full.write_full(tmp, model, peft.adapter_state(peft_model, state), osd, weights=peft.ADAPTER_WEIGHTS)
+        peft.write_adapter_config(tmp, peft_model)
+        _finish(tmp, final, model, meta, hf_config=False)
+
+    on_rank0(runtime, write)
+
+
 def _save_sharded(
     runtime: Any, model: nn.Module, optimizer: Any, path: Any, tmp: Path, final: Path, meta: dict[str, Any]
 ) -> None:
@@ -129,10 +179,12 @@ def _save_sharded(
     on_rank0(runtime, lambda: _finish(tmp, final, model, meta))
 
 
-def _finish(tmp: Path, final: Path, model: nn.Module, meta: dict[str, Any]) -> None:
+def _finish(tmp: Path, final: Path, model: nn.Module, meta: dict[str, Any], hf_config: bool = True) -> None:
     """Rank 0, after the data is written: the manifest goes last, so only a complete directory has
-    one, and only then is it moved into place."""
-    full.write_hf_config(tmp, model)
+    one, and only then is it moved into place. (An adapter directory gets no ``config.json``: it
+    would make it look like a whole model to ``from_pretrained``.)"""
+    if hf_config:
+        full.write_hf_config(tmp, model)
     manifest.write_manifest(tmp, meta)
     atomic.commit(tmp, final)
 
@@ -157,9 +209,18 @@ def load(
     meta = manifest.read_manifest(src)
     kind = meta.get("state_dict_type") or _detect_kind(src)
     writing = _Writing()
+    peft_model = peft.peft_of(model)
     try:
         if kind == SHARDED:
             _load_sharded(runtime, cfg, model, optimizer, path, src, meta, writing)
+        elif src.is_dir() and peft.is_adapter_dir(src):
+            if peft_model is None:
+                raise CheckpointError(
+                    f"shardcore.load({str(path)!r}): this is a PEFT adapter ({peft.ADAPTER_CONFIG}), and "
+                    f"{type(model).__name__} is no PEFT model. Wrap the base model first (peft.get_peft_model(base, "
+                    "LoraConfig(...)) with the adapter's config), then shard and load."
+                )
+            _load_adapter(runtime, model, peft_model, optimizer, src, writing)
         else:
             _load_full(runtime, model, optimizer, src, writing)
     except Exception as e:
@@ -245,9 +306,44 @@ def _load_full(runtime: Any, model: nn.Module, optimizer: Any, src: Path, writin
         runtime.load_full_state_dict(model, state)
         del state  # rank 0 drops its copy of the weights before it reads the optimizer state
     weights_arrived(model)
+    _load_optimizer(runtime, model, optimizer, src, opt_files)
+
+
+def _load_adapter(
+    runtime: Any, model: nn.Module, peft_model: Any, optimizer: Any, src: Path, writing: _Writing
+) -> None:
+    """An adapter directory into a (sharded) PEFT model: the file's keys and shapes checked against the
+    model's adapter weights on every rank, then the model's full state with the adapter's weights in
+    place of its own goes back into the model (rank 0 reads; the backend spreads)."""
+    files = [inside(src, peft.ADAPTER_WEIGHTS, "the adapter weights")]
+    found = full.file_shapes(files)
+    shapes = keys.expected_shapes(model)
+    mapping = peft.load_keys(peft_model, list(found), list(shapes), src)
+    wrong = [(k, found[k], shapes[m]) for k, m in mapping.items() if tuple(found[k]) != tuple(shapes[m])]
+    if wrong:
+        k, a, b = wrong[0]
+        raise CheckpointError(
+            f"shardcore.load({str(src)!r}): adapter weight {k} has shape {tuple(a)}, the model's {tuple(b)} "
+            f"({len(wrong)} such). Build the model with the adapter's LoraConfig (r, target_modules)."
+        )
+    opt_files = full.optimizer_files(src, optimizer)
+    state = runtime.full_state_dict(model)
+
+    def merged() -> dict[str, Any]:
+        adapter = full.read_weights(files, {})
+        return {**state, **{mapping[k]: v.to(state[mapping[k]].dtype) for k, v in adapter.items()}}
+
+    new = on_rank0(runtime, merged, share=False) or {}
+    writing.started = True
+    runtime.load_full_state_dict(model, new)
+    weights_arrived(model)
+    _load_optimizer(runtime, model, optimizer, src, opt_files)
+
+
+def _load_optimizer(runtime: Any, model: nn.Module, optimizer: Any, src: Path, opt_files: tuple[Path, Path]) -> None:
     if optimizer is None:
         return
-    if sliced:
+    if isinstance(runtime, SlicedLoading):
         refs = full.optimizer_refs(*opt_files)
         reader = full.SliceReader([opt_files[0]], {})
         part = _every_rank_reads(runtime, lambda: runtime.read_optimizer_slices(model, refs, reader.fill))

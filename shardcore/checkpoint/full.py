@@ -42,7 +42,10 @@ def _safetensors():
 # ------------------------------------------------------------------------------------ writing
 
 
-def write_full(tmp: Path, model: nn.Module, state: dict[str, Any], osd: dict[str, Any] | None) -> None:
+def write_full(
+    tmp: Path, model: nn.Module, state: dict[str, Any], osd: dict[str, Any] | None, weights: str = WEIGHTS
+) -> None:
+    """``state`` as the safetensors file ``weights`` (tied names once), ``osd`` beside it."""
     st, _ = _safetensors()
     drop = tied_names(model)
     tensors: dict[str, torch.Tensor] = {}
@@ -61,7 +64,7 @@ def write_full(tmp: Path, model: nn.Module, state: dict[str, Any], osd: dict[str
             v = v.clone()
         storages.add(ptr)
         tensors[k] = v
-    st.save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+    st.save_file(tensors, str(tmp / weights), metadata={"format": "pt"})
     if osd is not None:
         flat: dict[str, torch.Tensor] = {}
         structure = _encode(osd, "", flat)

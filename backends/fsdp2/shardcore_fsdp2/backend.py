@@ -32,7 +32,7 @@ from shardcore.distributed import TorchDistributedRuntime, ensure_process_group
 from shardcore.empty import await_weights, materialize_empty, weights_state
 from shardcore.plan import WrapPlan
 from shardcore.ties import ties_kept
-from shardcore.validate import check_rank0_weights, data_parallel_shape
+from shardcore.validate import check_rank0_weights, check_uniform_unit_dtypes, data_parallel_shape
 
 from . import loading
 
@@ -222,8 +222,9 @@ class FSDP2Backend(
     def validate_model(self, model: nn.Module, plan: WrapPlan, config: ShardConfig) -> None:
         """cpu_ram_efficient_loading: rank 0 holds the weights and every rank's model matches it,
         checked with collectives before sharding, one verdict on every rank."""
-        ensure_process_group(config.timeout, devices.requested(config.use_cpu))
+        ensure_process_group(config.timeout, devices.requested(config.use_cpu), "timeout" in config.non_default_keys())
         data_parallel_shape(config, dist.get_world_size())
+        check_uniform_unit_dtypes(model, plan)
         if config.cpu_ram_efficient_loading:
             check_rank0_weights(
                 model, dist.get_rank(), self.broadcast_object, self.all_gather_object, weights_later=True
@@ -236,7 +237,7 @@ class FSDP2Backend(
         each replica group of ``dp_shard_size`` ranks, gradients all-reduced across the replicas."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        ensure_process_group(config.timeout, devices.requested(config.use_cpu))
+        ensure_process_group(config.timeout, devices.requested(config.use_cpu), "timeout" in config.non_default_keys())
         shape = data_parallel_shape(config, dist.get_world_size())
         device_type = devices.chosen()
         # a script may destroy the process group and start another (another size), or shard one model

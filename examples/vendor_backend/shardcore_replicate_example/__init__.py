@@ -32,7 +32,7 @@ class ReplicateBackend(TorchDistributedRuntime, GradClipping, GlobalGradSquares)
 
     def apply(self, model: nn.Module, plan: WrapPlan, config: ShardConfig) -> nn.Module:
         # the plan says which modules would be units; replication needs none of them
-        ensure_process_group(config.timeout, devices.requested())
+        ensure_process_group(config.timeout, devices.requested(), "timeout" in config.non_default_keys())
         model.to(self._device())
         size = dist.get_world_size()
         with torch.no_grad():

@@ -1,0 +1,132 @@
+"""PEFT models through shardcore, in this process on one rank (the conformance suite's ``lora`` family
+runs them sharded on every backend): the adapter directory ``shardcore.save`` writes is what PEFT
+writes and loads, the merged export is a plain Transformers model, ``shardcore.load`` reads an adapter
+back, and what FSDP2 cannot shard is refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import shardcore
+from shardcore.errors import CheckpointError, WrapPlanError
+from shardcore.integrations.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, is_peft_model
+
+peft = pytest.importorskip("peft")
+
+from shardcore_conformance.models import build_model, lora_base, make_batches, probe_batch  # noqa: E402
+
+FSDP2 = {"version": 2}
+
+
+def _trained(steps: int = 2):
+    model = shardcore.shard(build_model("llama_lora", 0), FSDP2)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for batch in make_batches("llama_lora", steps, 4, 0):
+        model(**batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def _logits(model, batch):
+    with torch.no_grad():
+        return model(input_ids=batch["input_ids"]).logits
+
+
+def test_the_adapter_directory_is_what_peft_writes_and_loads(tmp_path):
+    model, _ = _trained()
+    assert is_peft_model(model)
+    shardcore.save(model, tmp_path / "ours")
+    files = {p.name for p in (tmp_path / "ours").iterdir()}
+    assert (
+        {ADAPTER_CONFIG, ADAPTER_WEIGHTS} <= files and "model.safetensors" not in files and "config.json" not in files
+    )
+    # PEFT's own save of the same (unsharded) model: the same keys and config
+    reference = build_model("llama_lora", 0)
+    reference.load_state_dict(shardcore.handle(model).backend.full_state_dict(model))
+    reference.save_pretrained(tmp_path / "peft")
+    from safetensors.torch import load_file
+
+    ours, theirs = load_file(tmp_path / "ours" / ADAPTER_WEIGHTS), load_file(tmp_path / "peft" / ADAPTER_WEIGHTS)
+    assert sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert len(ours) == 8  # q_proj and v_proj, A and B, 2 layers: no base weight
+    ours_cfg = json.loads((tmp_path / "ours" / ADAPTER_CONFIG).read_text())
+    theirs_cfg = json.loads((tmp_path / "peft" / ADAPTER_CONFIG).read_text())
+    assert ours_cfg == theirs_cfg
+    # and PEFT loads ours onto the base, to the sharded model's outputs
+    torch.manual_seed(0)
+    loaded = peft.PeftModel.from_pretrained(lora_base("llama"), str(tmp_path / "ours"))
+    probe = probe_batch("llama_lora")
+    torch.testing.assert_close(_logits(loaded, probe), _logits(model, probe), rtol=0, atol=1e-6)
+
+
+def test_merged_export_loads_as_a_plain_model(tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    model, opt = _trained()
+    shardcore.save(model, tmp_path / "merged", merged=True)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert type(plain) is LlamaForCausalLM and not any("lora" in k for k in plain.state_dict())
+    probe = probe_batch("llama_lora")
+    torch.testing.assert_close(_logits(plain, probe), _logits(model, probe), rtol=0, atol=1e-5)
+    with pytest.raises(CheckpointError, match="no adapter left for the optimizer"):
+        shardcore.save(model, tmp_path / "m2", opt, merged=True)
+    with pytest.raises(CheckpointError, match="is no PEFT model"):
+        shardcore.save(shardcore.shard(build_model("llama", 0), FSDP2), tmp_path / "m3", merged=True)
+
+
+def test_load_reads_an_adapter_into_a_sharded_peft_model_and_resumes(tmp_path):
+    model, opt = _trained()
+    shardcore.save(model, tmp_path / "a", opt)
+    fresh = build_model("llama_lora", 0)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            if p.requires_grad:
+                p.add_(1.0)
+    fresh = shardcore.shard(fresh, FSDP2)
+    fresh_opt = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=1e-2)
+    shardcore.load(fresh, tmp_path / "a", fresh_opt)
+    a = shardcore.handle(model).backend.full_state_dict(model)
+    b = shardcore.handle(fresh).backend.full_state_dict(fresh)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert fresh_opt.state_dict()["state"] and len(fresh_opt.state_dict()["state"]) == 8
+    # a base model cannot take an adapter, and an adapter of another shape is refused by name
+    with pytest.raises(CheckpointError, match="is no PEFT model"):
+        shardcore.load(shardcore.shard(build_model("llama", 0), FSDP2), tmp_path / "a")
+    other = peft.get_peft_model(lora_base("llama"), peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(CheckpointError, match="has shape"):
+        shardcore.load(shardcore.shard(other, FSDP2), tmp_path / "a")
+
+
+def test_a_unit_of_two_dtypes_is_refused_naming_a_parameter_of_each():
+    """PEFT's default casts the adapters of a bf16 base to fp32 (autocast_adapter_dtype): FSDP2 cannot
+    shard that unit, and says so before anything is sharded, not from inside fully_shard."""
+    base = lora_base("llama").to(torch.bfloat16)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(WrapPlanError) as e:
+        shardcore.shard(model, FSDP2)
+    msg = str(e.value)
+    assert "model.layers.0" in msg and "bfloat16" in msg and "float32" in msg and "lora_A" in msg, msg
+    assert "autocast_adapter_dtype=False" in msg
+    # the fix the message gives works
+    base = lora_base("llama").to(torch.bfloat16)
+    same = peft.get_peft_model(
+        base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]), autocast_adapter_dtype=False
+    )
+    shardcore.shard(same, FSDP2)
+
+
+def test_a_quantized_base_is_refused_by_name():
+    """QLoRA's 4-bit bases are not sharded yet: a parameter of a quantized type is named."""
+
+    class Params4bit(torch.nn.Parameter):  # bitsandbytes' class name; bitsandbytes needs CUDA to quantize
+        pass
+
+    model = lora_base("llama")
+    w = model.model.layers[0].mlp.up_proj
+    w.weight = Params4bit(w.weight.detach(), requires_grad=False)
+    with pytest.raises(WrapPlanError, match=r"model.layers.0.mlp.up_proj.weight is quantized \(Params4bit\)"):
+        shardcore.shard(model, FSDP2)

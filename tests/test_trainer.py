@@ -1,0 +1,186 @@
+"""The Hugging Face Trainer through shardcore (``shardcore.integrations.transformers``): the mode it
+picks, what it refuses, and on real ranks its parity with ``transformers.Trainer``, its gradient
+reductions under accumulation, and resuming in both checkpoint formats."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import shardcore
+from shardcore.errors import ShardConfigError
+
+import harness
+
+pytest.importorskip("transformers")
+
+#: conformance/shardcore_conformance/compare.py TOLERANCES["fp32"].param_atol
+PARAM_ATOL = 5e-5
+
+
+def _args(tmp_path, **kw):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[], disable_tqdm=True, **kw)
+
+
+def _data():
+    ids = torch.randint(0, 97, (8, 8), generator=torch.Generator().manual_seed(0))
+    return [{"input_ids": r, "labels": r.clone()} for r in ids]
+
+
+# -- in process ---------------------------------------------------------------------------------
+
+
+def test_without_fsdp_it_is_the_plain_trainer(tmp_path, tiny_llama):
+    import transformers
+
+    from shardcore.integrations.transformers import Trainer
+
+    trainer = Trainer(model=tiny_llama, args=_args(tmp_path, use_cpu=True, max_steps=1), train_dataset=_data())
+    assert isinstance(trainer, transformers.Trainer)
+    assert trainer._shardcore_config is None
+    trainer.train()
+    assert shardcore.api.handle_or_none(trainer.model) is None  # never sharded
+
+
+def test_a_model_sharded_before_the_trainer_trains_and_saves_full(tmp_path, tiny_llama):
+    """World of one, in process: the pre-sharded path (the crash the issue starts from is this model
+    handed to a plain Trainer under torchrun)."""
+    from transformers import AutoModelForCausalLM
+
+    from shardcore.integrations.transformers import Trainer
+
+    model = shardcore.shard(tiny_llama, {"auto_wrap_policy": "TRANSFORMER_BASED_WRAP"})
+    args = _args(tmp_path, max_steps=2, per_device_train_batch_size=4, save_strategy="steps", save_steps=1)
+    trainer = Trainer(model=model, args=args, train_dataset=_data())
+    trainer.train()
+    assert trainer.model is model and shardcore.handle(model).backend.name == "fsdp2"
+    trainer.save_model()  # into the output directory beside checkpoint-1, checkpoint-2
+    out = tmp_path / "out"
+    assert {"checkpoint-1", "checkpoint-2", "model.safetensors", "config.json"} <= {p.name for p in out.iterdir()}
+    assert (out / "checkpoint-2" / "shardcore.json").is_file() and (out / "checkpoint-2" / "scheduler.pt").is_file()
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    full = shardcore.handle(model).backend.full_state_dict(model)
+    for k, v in loaded.state_dict().items():
+        assert torch.equal(v, full[k]), k
+
+
+def test_fsdp_with_a_presharded_model_is_refused(tmp_path, tiny_llama):
+    from shardcore.integrations.transformers import Trainer
+
+    model = shardcore.shard(tiny_llama, {"auto_wrap_policy": "TRANSFORMER_BASED_WRAP"})
+    with pytest.raises(ShardConfigError, match="'fsdp'.*already sharded") as e:
+        Trainer(model=model, args=_args(tmp_path, fsdp=True), train_dataset=_data())
+    assert e.value.key == "fsdp"
+
+
+@pytest.mark.parametrize(
+    "kw, key",
+    [
+        ({"ddp_find_unused_parameters": True}, "ddp_find_unused_parameters"),
+        ({"ddp_bucket_cap_mb": 25}, "ddp_bucket_cap_mb"),
+        ({"auto_find_batch_size": True}, "auto_find_batch_size"),
+        ({"fsdp_config": {"auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "no_such_key": 1}}, "no_such_key"),
+        (
+            {"fsdp_config": {"activation_checkpointing": True}, "gradient_checkpointing": True},
+            "activation_checkpointing",
+        ),
+    ],
+)
+def test_trainer_arguments_that_cannot_apply_are_refused(tmp_path, tiny_llama, kw, key):
+    from shardcore.integrations.transformers import Trainer
+
+    kw = {"fsdp": True, **kw}
+    with pytest.raises(ShardConfigError) as e:
+        Trainer(model=tiny_llama, args=_args(tmp_path, **kw), train_dataset=_data())
+    assert e.value.key == key, e.value
+
+
+def test_deepspeed_is_refused(tmp_path, tiny_llama, monkeypatch):
+    """A DeepSpeed config with fsdp: DeepSpeed is not installed here, so the arguments object says it
+    is set the way TrainingArguments records it (``deepspeed`` holds the config)."""
+    from shardcore.integrations.transformers import Trainer
+
+    args = _args(tmp_path, fsdp=True)
+    monkeypatch.setattr(args, "deepspeed", {"zero_optimization": {"stage": 3}})
+    with pytest.raises(ShardConfigError, match="'deepspeed'.*DeepSpeed would shard") as e:
+        Trainer(model=tiny_llama, args=args, train_dataset=_data())
+    assert e.value.key == "deepspeed"
+
+
+def test_optimizers_built_before_sharding_are_refused(tmp_path, tiny_llama, monkeypatch):
+    from transformers import TrainingArguments
+    from transformers.training_args import ParallelMode
+
+    from shardcore.integrations.transformers import Trainer
+
+    # past the Trainer's own "fsdp only works in distributed training", as under torchrun
+    monkeypatch.setattr(TrainingArguments, "parallel_mode", property(lambda self: ParallelMode.DISTRIBUTED))
+    opt = torch.optim.AdamW(tiny_llama.parameters())
+    with pytest.raises(ShardConfigError, match="'optimizers'") as e:
+        Trainer(model=tiny_llama, args=_args(tmp_path, fsdp=True), train_dataset=_data(), optimizers=(opt, None))
+    assert e.value.key == "optimizers"
+
+
+def test_the_mixin_keeps_trainer_flags_false_in_shardcore_mode():
+    from shardcore.integrations.transformers import ShardcoreTrainerMixin
+
+    class T(ShardcoreTrainerMixin):
+        pass
+
+    t = T()
+    t.is_fsdp_xla_v2_enabled = True
+    assert t.is_fsdp_xla_v2_enabled is True  # plain Trainer: its own value
+    t._shardcore_config = shardcore.parse_config({})
+    assert t.is_fsdp_xla_v2_enabled is False  # shardcore's backend does the SPMD work
+
+
+# -- real ranks ---------------------------------------------------------------------------------
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_trainer_matches_the_plain_trainer_and_resumes(tmp_path):
+    """transformers.Trainer on one process vs this Trainer on 2 FSDP2 ranks, the same global batches,
+    clipping at every step, 2 accumulation steps: final parameters within the suite's fp32 param_atol.
+    With accumulation, one reduce-scatter per FSDP unit per optimizer step. Resumed from the middle
+    checkpoint, FULL and SHARDED, the parameters are the uninterrupted run's."""
+    worker = harness.worker("trainer_fsdp2")
+    ref = tmp_path / "ref.safetensors"
+    out = harness.python(worker, "reference", str(ref), timeout=300)
+    assert out.returncode == 0, harness.tail(out.stdout, out.stderr)
+    report_path = tmp_path / "report.json"
+    out = harness.torchrun(2, worker, "sharded", str(report_path), timeout=420)
+    assert out.returncode == 0, harness.tail(out.stdout, out.stderr)
+    report = json.loads(report_path.read_text())
+    reference = load_file(ref)
+    straight = {}
+    for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+        run = report[kind]
+        straight[kind] = load_file(run["params"])
+        diff = _max_diff(straight[kind], reference)
+        print(
+            f"{kind}: max |param - reference| = {diff:.3e}; reduce-scatters per step {run['reduce_scatters_per_step']}"
+        )
+        assert diff <= PARAM_ATOL, (kind, diff)
+        # one reduce-scatter per unit per optimizer step, not one per micro-batch
+        assert run["reduce_scatters_per_step"] == [run["units"]] * 4, run
+        assert run["units"] == 3  # 2 decoder layers and the root
+        resumed = report[kind + "-resumed"]
+        assert resumed["reduce_scatters_per_step"] == [run["units"]] * 2, resumed
+        rdiff = _max_diff(load_file(resumed["params"]), straight[kind])
+        print(f"{kind}: resumed from checkpoint-2, max |param - uninterrupted| = {rdiff:.3e}")
+        assert rdiff == 0.0, (kind, rdiff)
+        # the log history comes back with trainer_state.json: steps 1-2 from it, 3-4 trained again
+        assert resumed["losses"] == run["losses"], (resumed["losses"], run["losses"])
+    assert "model.safetensors" in report["FULL_STATE_DICT"]["checkpoint_files"]
+    assert "scheduler.pt" in report["SHARDED_STATE_DICT"]["checkpoint_files"]
+    assert _max_diff(straight["FULL_STATE_DICT"], straight["SHARDED_STATE_DICT"]) == 0.0

@@ -1,0 +1,213 @@
+"""The Hugging Face Trainer on shardcore (``shardcore.integrations.transformers.Trainer``), for
+tests/test_trainer.py.
+
+``reference OUT``: ``transformers.Trainer`` on one process, the whole global batch per device.
+``sharded OUT``: the shardcore Trainer on the ranks torchrun started, ``fsdp=True`` with the
+fsdp_config below, per-device batch = global / world size. Four runs in one launch: FULL and SHARDED
+configs trained straight through (each saving a checkpoint at the middle step), then each resumed
+from its own middle checkpoint. Every run writes its final parameters (a FULL save_model, loaded
+back with from_pretrained) and the reduce-scatters counted per optimizer step.
+``sft OUT``: TRL's SFTTrainer with ShardcoreTrainerMixin on the ranks, a LoRA adapter; writes the
+adapter's final weights (save_model) and the loss log.
+
+Both sides get the same initial weights (one seed), the same global batches in the same order
+(sequential sampler; accelerate deals each rank its consecutive per-device slice of them), AdamW with
+the suite's eps, clipping at 1.0 and 2 accumulation steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from shardcore_conformance.models import build_model
+from shardcore_conformance.train import ADAM_EPS
+
+ROWS, SEQ, STEPS, GLOBAL, ACCUM = 32, 16, 4, 8, 2
+LR, MAX_NORM = 1e-2, 0.5  # the gradient norms here are 0.8 to 0.9: clipping acts at every step
+FSDP_CONFIG = {"auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "reshard_after_forward": True}
+
+
+def dataset() -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 97, (ROWS, SEQ), generator=g)  # the llama case's vocabulary
+    return [{"input_ids": r, "labels": r.clone()} for r in ids]
+
+
+def training_args(out: str, per_device: int, **kw):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=out,
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=ACCUM,
+        max_steps=STEPS,
+        learning_rate=LR,
+        max_grad_norm=MAX_NORM,
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        weight_decay=0.01,
+        adam_epsilon=ADAM_EPS,
+        optim="adamw_torch",
+        logging_steps=1,
+        report_to=[],
+        train_sampling_strategy="sequential",
+        dataloader_drop_last=True,
+        seed=0,
+        disable_tqdm=True,
+        **kw,
+    )
+
+
+def params(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+
+
+def run_reference(out: str) -> None:
+    from transformers import Trainer
+
+    args = training_args(out + ".ref", GLOBAL // ACCUM, use_cpu=True, save_strategy="no")
+    trainer = Trainer(model=build_model("llama", 0), args=args, train_dataset=dataset())
+    trainer.train()
+    save_file(params(trainer.model), out)
+
+
+class Counter:
+    """Counts torch.distributed's reduce-scatters (what FSDP2 reduces gradients with)."""
+
+    def __init__(self):
+        self.calls = 0
+        for name in ("reduce_scatter_tensor", "reduce_scatter_single", "reduce_scatter"):
+            fn = getattr(dist, name, None)
+            if fn is not None:
+                setattr(dist, name, self.wrap(fn))
+
+    def wrap(self, fn):
+        def counted(*a, **kw):
+            self.calls += 1
+            return fn(*a, **kw)
+
+        return counted
+
+
+def sharded_run(root: Path, kind: str, counter: Counter, resume: str | None = None) -> dict:
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import AutoModelForCausalLM, TrainerCallback
+
+    from shardcore.integrations.transformers import Trainer
+
+    per_step: list[int] = []
+
+    class CountPerStep(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start = counter.calls
+
+        def on_step_end(self, args, state, control, **kwargs):
+            per_step.append(counter.calls - self.start)
+
+    world = int(os.environ["WORLD_SIZE"])
+    out = root / f"{kind}{'-resumed' if resume else ''}"
+    args = training_args(
+        str(out),
+        GLOBAL // ACCUM // world,
+        use_cpu=True,  # on a machine without GPUs accelerate is multi-process only with it (as for DDP)
+        fsdp=True,
+        fsdp_config={**FSDP_CONFIG, "state_dict_type": kind},
+        save_strategy="steps",
+        save_steps=STEPS // 2,
+    )
+    trainer = Trainer(model=build_model("llama", 0), args=args, train_dataset=dataset(), callbacks=[CountPerStep()])
+    trainer.train(resume_from_checkpoint=resume)
+    units = sum(isinstance(m, FSDPModule) for m in trainer.model.modules())
+    final = out / "final"
+    trainer.save_model(str(final))
+    loaded = AutoModelForCausalLM.from_pretrained(final)  # the FULL export loads where Transformers does
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e and "train_loss" not in e]
+    if dist.get_rank() == 0:
+        save_file(params(loaded), str(out / "params.safetensors"))
+    return {
+        "units": units,
+        "reduce_scatters_per_step": per_step,
+        "losses": losses,
+        "params": str(out / "params.safetensors"),
+    }
+
+
+def run_sharded(out: str) -> None:
+    counter = Counter()
+    root = Path(out).parent
+    report = {}
+    for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+        report[kind] = sharded_run(root, kind, counter)
+        middle = root / kind / f"checkpoint-{STEPS // 2}"
+        report[kind + "-resumed"] = sharded_run(root, kind, counter, resume=str(middle))
+        report[kind]["checkpoint_files"] = sorted(p.name for p in middle.iterdir())
+    if dist.get_rank() == 0:
+        json.dump(report, open(out, "w"), indent=1)
+    dist.barrier()
+
+
+def tokenizer():
+    """A word-level tokenizer over the llama case's 97 ids, built here (nothing is downloaded)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(97)}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t0")))
+    tok.pad_token, tok.eos_token = "t0", "t1"
+    return tok
+
+
+def run_sft(out: str) -> None:
+    """TRL's SFTTrainer with the mixin, a LoRA adapter (peft_config), 2 FSDP2 ranks: it trains,
+    logs the mean loss, and save_model writes the adapter directory."""
+    from datasets import Dataset
+    from peft import LoraConfig, PeftModel
+    from trl import SFTConfig, SFTTrainer
+
+    from shardcore.integrations.transformers import ShardcoreTrainerMixin
+
+    class ShardcoreSFTTrainer(ShardcoreTrainerMixin, SFTTrainer):
+        pass
+
+    root = Path(out).parent / "sft"
+    ids = torch.randint(0, 97, (ROWS, SEQ), generator=torch.Generator().manual_seed(7))
+    data = Dataset.from_dict({"input_ids": ids.tolist()})
+    args = SFTConfig(
+        output_dir=str(root),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=ACCUM,
+        max_steps=STEPS,
+        learning_rate=1e-2,
+        max_grad_norm=MAX_NORM,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        use_cpu=True,
+        fsdp=True,
+        fsdp_config=FSDP_CONFIG,
+    )
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = ShardcoreSFTTrainer(
+        model=build_model("llama", 0), args=args, train_dataset=data, processing_class=tokenizer(), peft_config=lora
+    )
+    assert isinstance(trainer.model, PeftModel), type(trainer.model)
+    trainer.train()
+    trainer.save_model(str(root / "adapter"))
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e and "train_loss" not in e]
+    if dist.get_rank() == 0:
+        files = sorted(p.name for p in (root / "adapter").iterdir())
+        json.dump({"losses": losses, "adapter_files": files, "backend": "fsdp2"}, open(out, "w"))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    {"reference": run_reference, "sharded": run_sharded, "sft": run_sft}[sys.argv[1]](sys.argv[2])

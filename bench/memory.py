@@ -13,6 +13,11 @@ measurement as estimate / measured.
 
     python bench/memory.py                      # writes bench/results/memory.json
     python bench/memory.py --sizes tiny --world-sizes 1 2
+    python bench/memory.py --lora 8             # a PEFT LoRA model (rank 8 on q_proj and v_proj)
+
+With ``--lora`` the base is frozen: only the adapters have gradients and AdamW state, the optimizer is
+built over the trainable parameters as LoRA users do, and ``frozen_base`` says what the frozen base
+costs per rank against full fine-tuning of the same model.
 """
 
 from __future__ import annotations
@@ -41,13 +46,22 @@ def _storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def memory_rank(rank: int, world_size: int, size: str) -> dict:
+def _model(size: str, lora: int) -> torch.nn.Module:
+    model = build_llama(size)
+    if not lora:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=lora, lora_alpha=2 * lora, target_modules=["q_proj", "v_proj"]))
+
+
+def memory_rank(rank: int, world_size: int, size: str, lora: int = 0) -> dict:
     import shardcore
 
     torch.set_num_threads(1)
     device = rank_device(rank)
-    model = shardcore.shard(build_llama(size).to(device), CONFIG)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model = shardcore.shard(_model(size, lora).to(device), CONFIG)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     model(**batch(size, 0, rank, device)).loss.backward()
     opt.step()  # AdamW state exists from the first step; keep the gradients for the count
     params = list(model.parameters())
@@ -62,10 +76,10 @@ def memory_rank(rank: int, world_size: int, size: str) -> dict:
     return out
 
 
-def run(size: str, world_sizes: list[int], timeout_s: float = 900) -> dict:
+def run(size: str, world_sizes: list[int], timeout_s: float = 900, lora: int = 0) -> dict:
     import shardcore
 
-    full_model = build_llama(size)
+    full_model = _model(size, lora)
     full = {
         "params": sum(p.numel() * p.element_size() for p in full_model.parameters()),
         "grads": sum(p.numel() * p.element_size() for p in full_model.parameters() if p.requires_grad),
@@ -76,7 +90,7 @@ def run(size: str, world_sizes: list[int], timeout_s: float = 900) -> dict:
         if device_type() != "cpu" and ws > torch.accelerator.device_count():
             rows.append({"world_size": ws, "skipped": f"{torch.accelerator.device_count()} {device_type()} device(s)"})
             continue
-        per_rank = run_ranks(memory_rank, ws, (size,), timeout_s=timeout_s)
+        per_rank = run_ranks(memory_rank, ws, (size, lora), timeout_s=timeout_s)
         est = shardcore.estimate_memory(full_model, ws)
         estimate = {"params": est.param_bytes, "grads": est.grad_bytes, "adamw_state": est.optim_bytes}
         largest = max(range(ws), key=lambda r: sum(per_rank[r][k] for k in KINDS))
@@ -92,13 +106,26 @@ def run(size: str, world_sizes: list[int], timeout_s: float = 900) -> dict:
                 },
                 "estimate_bytes": {**estimate, "total": est.total},
                 "estimate_over_measured": {  # rank 0: the estimate is rank 0's (largest) shard
-                    **{k: estimate[k] / per_rank[0][k] for k in KINDS},
+                    **{k: estimate[k] / per_rank[0][k] if per_rank[0][k] else float(estimate[k] == 0) for k in KINDS},
                     "total": est.total / sum(per_rank[0][k] for k in KINDS),
+                },
+                # what training costs beyond the weights, per rank, against full fine-tuning (2 fp32 AdamW
+                # moments and a gradient per parameter): a frozen base adds neither
+                "frozen_base": {
+                    "grads_and_adamw_bytes": sum(per_rank[largest][k] for k in ("grads", "adamw_state")),
+                    "full_fine_tuning_bytes": sum(p.numel() * (p.element_size() + 8) for p in full_model.parameters())
+                    // ws,
                 },
             }
         )
     return {
-        "model": {"size": size, **LLAMA_SIZES[size], "params": sum(p.numel() for p in full_model.parameters())},
+        "model": {
+            "size": size,
+            **LLAMA_SIZES[size],
+            "params": sum(p.numel() for p in full_model.parameters()),
+            "trainable_params": sum(p.numel() for p in full_model.parameters() if p.requires_grad),
+            "lora_rank": lora,
+        },
         "device": device_type(),
         "config": CONFIG,
         "full_bytes": full,
@@ -122,6 +149,13 @@ def report(r: dict) -> str:
             f"{row['world_size']:>5}  {q['params']:7.3f} {q['grads']:7.3f} {q['adamw_state']:7.3f} {q['total']:7.3f}"
             f"{'':24}{row['estimate_over_measured']['total']:7.3f}"
         )
+        if r["model"]["lora_rank"]:
+            fb = row["frozen_base"]
+            lines.append(
+                f"       LoRA r={r['model']['lora_rank']}: gradients + AdamW state {fb['grads_and_adamw_bytes']:,} bytes "
+                f"per rank, full fine-tuning {fb['full_fine_tuning_bytes']:,} "
+                f"({fb['grads_and_adamw_bytes'] / fb['full_fine_tuning_bytes']:.4f}x)"
+            )
     return "\n".join(lines)
 
 
@@ -129,11 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", choices=sorted(LLAMA_SIZES), nargs="+", default=["full", "odd"])
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--lora", type=int, default=0, metavar="R", help="a PEFT LoRA model of rank R (base frozen)")
     ap.add_argument("--out", help="result JSON (default bench/results/memory.json)")
     args = ap.parse_args(argv)
     runs = []
     for size in args.sizes:
-        runs.append(run(size, args.world_sizes))
+        runs.append(run(size, args.world_sizes, lora=args.lora))
         print(report(runs[-1]), flush=True)
     path = write_result("memory", {"runs": runs}, args.out)
     print(f"written: {path}")

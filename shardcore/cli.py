@@ -79,6 +79,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # under HSDP each replica group holds one whole copy, sharded over dp_shard_size ranks
     replicas, shards = data_parallel_shape(cfg, args.world_size)
     est = estimate_memory(model, shards)
+    unique = {id(p): p for p in model.parameters()}.values()
+    counts = {
+        "params": sum(p.numel() for p in unique),
+        "trainable_params": sum(p.numel() for p in unique if p.requires_grad),
+    }
     if args.json:
         print(
             json.dumps(
@@ -96,6 +101,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                         "total": est.total,
                     },
                     "full_param_bytes": est.full_param_bytes,
+                    **counts,
                 },
                 indent=2,
             )
@@ -109,6 +115,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"  params      {format_bytes(est.param_bytes, 1):>12}")
     print(f"  grads       {format_bytes(est.grad_bytes, 1):>12}")
     print(f"  AdamW state {format_bytes(est.optim_bytes, 1):>12}")
+    if counts["trainable_params"] < counts["params"]:  # a frozen base (LoRA): no gradients, no optimizer state
+        share = counts["trainable_params"] / max(counts["params"], 1)
+        print(
+            f"  (trainable: {counts['trainable_params']:,} of {counts['params']:,} parameters, {share:.1%}; "
+            "frozen ones have no gradients and no AdamW state)"
+        )
     print(
         f"  total       {format_bytes(est.total, 1):>12}   (unsharded params: {format_bytes(est.full_param_bytes, 1)})"
     )

@@ -142,3 +142,18 @@ def test_comm_tiny_moves_the_zero3_minimum_in_every_config(tmp_path):
     assert doc["goal_met"] and "goal 1.00 +- 0.01: met" in out.stdout
     t = doc["compile_timing"]
     assert math.isfinite(t["cpu_ratio_median"]) and t["cpu_ratio_median"] > 0
+
+
+def test_memory_of_a_lora_model_keeps_no_state_for_the_frozen_base(tmp_path):
+    """A PEFT LoRA model: the base is sharded like any weights, but only the adapters have gradients and
+    AdamW state (the optimizer over the trainable parameters), and the estimate agrees."""
+    res = tmp_path / "memory.json"
+    out = _run("memory.py", "--sizes", "tiny", "--world-sizes", "2", "--lora", "4", "--out", str(res))
+    r = json.loads(res.read_text())["runs"][0]
+    row = r["rows"][0]
+    assert "LoRA r=4" in out.stdout and 0 < r["model"]["trainable_params"] < r["model"]["params"] / 10
+    for kind in ("params", "grads", "adamw_state", "total"):
+        assert 0.99 <= row["ratio_to_ideal"][kind] <= 1.02, (kind, row)
+        assert abs(row["estimate_over_measured"][kind] - 1) < 0.02, (kind, row)
+    fb = row["frozen_base"]
+    assert fb["grads_and_adamw_bytes"] < fb["full_fine_tuning_bytes"] / 10, fb

@@ -106,7 +106,10 @@ def test_xla_matrix_from_xla_keys():
     for c in cases:
         if c.config.get("xla_fsdp_grad_ckpt"):
             assert c.config.get("auto_wrap_policy") != "NO_WRAP", c.name
-    bf16 = [c for c in cases if c.dtype == "bf16"]
+    # bf16 through compute_dtype; the mixed-dtype LoRA case's bf16 is its base's own (SPMD only)
+    (mixed,) = [c for c in cases if c.model == "llama_lora_mixed"]
+    assert mixed.dtype == "bf16" and mixed.config["xla_fsdp_v2"] is True
+    bf16 = [c for c in cases if c.dtype == "bf16" and c is not mixed]
     assert bf16 and all(c.config["xla_fsdp_settings"] == {"compute_dtype": "bfloat16"} for c in bf16)
     assert not any("mixed_precision" in c.config for c in cases)
     every = matrix_for(_Keys(*XLA_KEYS), dtype="bf16")

@@ -130,3 +130,27 @@ def test_a_quantized_base_is_refused_by_name():
     w.weight = Params4bit(w.weight.detach(), requires_grad=False)
     with pytest.raises(WrapPlanError, match=r"model.layers.0.mlp.up_proj.weight is quantized \(Params4bit\)"):
         shardcore.shard(model, FSDP2)
+
+
+@pytest.mark.multiprocess
+def test_the_lora_example_runs_on_two_ranks(tmp_path):
+    """examples/lora.py, as docs/lora.md shows it, under torchrun on 2 CPU ranks: it trains, saves the
+    adapter and the merged model, and PEFT's and Transformers' from_pretrained give its outputs."""
+    import re
+    from pathlib import Path
+
+    import harness
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "lora.py"
+    out = harness.torchrun(2, example, str(tmp_path), timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    losses = [float(x) for x in re.findall(r"^step \d+: loss (\S+)$", out.stdout, re.M)]
+    assert len(losses) == 4 and losses[-1] < losses[0], out.stdout
+    diffs = [float(x) for x in re.findall(r"max \|logits - sharded logits\| = (\S+)$", out.stdout, re.M)]
+    assert len(diffs) == 2 and all(d < 1e-4 for d in diffs), out.stdout
+    adapter = json.loads((tmp_path / "adapter" / ADAPTER_CONFIG).read_text())
+    assert adapter["r"] == 8 and sorted(adapter["target_modules"]) == ["q_proj", "v_proj"]
+    assert (tmp_path / "adapter" / "optimizer.safetensors").is_file()
+    assert (tmp_path / "merged" / "model.safetensors").stat().st_size > 20 * (
+        tmp_path / "adapter" / ADAPTER_WEIGHTS
+    ).stat().st_size

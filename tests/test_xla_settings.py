@@ -58,6 +58,17 @@ def test_spmd_refuses_a_meta_model_before_apply():
     assert applied == []
 
 
+def test_xla_fsdp_refuses_parameters_that_are_not_float32_by_name():
+    """torch_xla's XLA FSDP raises a bare TypeError for any non-fp32 parameter (a bf16 model, or a bf16
+    base with PEFT's fp32 LoRA adapters); shardcore names it and the two ways out, before wrapping."""
+    from shardcore.errors import WrapPlanError
+
+    with pytest.raises(WrapPlanError) as e:
+        shardcore.shard(build_model("mlp", 0).to(torch.bfloat16), X)
+    msg = str(e.value)
+    assert "blocks.0.fc.weight is bfloat16" in msg and "compute_dtype: bfloat16" in msg and "xla_fsdp_v2: true" in msg
+
+
 def test_xla_fsdp_refuses_replicas_naming_the_fix():
     """XlaFullyShardedDataParallel's sharding_groups never all-reduce across groups (measured: two
     groups of 2 CPU devices, after 3 steps, give outputs 0.015 apart), so HSDP is SPMD only; refused from the config."""

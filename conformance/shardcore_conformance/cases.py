@@ -367,6 +367,17 @@ def _lora_cases(add: Any, keys: frozenset[str], clips: bool, modes: list[tuple[s
         add("lora-llama-clip", "llama_lora", {}, max_grad_norm=CLIP_NORM, family="lora")
     add("lora-llama-grad_accum", "llama_lora", {}, grad_accum=2, family="lora")
     add("lora-llama-resume", "llama_lora", {}, resume_at=RESUME_AT, family="lora")
+    if "xla_fsdp_v2" in keys:
+        # a bf16 base with fp32 adapters trains under SPMD (FSDP2 and XLA FSDP refuse it by name: they
+        # shard a unit, or every parameter, in one dtype); compared at bf16 tolerances
+        add(
+            "lora-llama-mixed_dtypes-v21",
+            "llama_lora_mixed",
+            {"xla_fsdp_v2": True},
+            dtype="bf16",
+            lr=LOW_PRECISION_LR,
+            family="lora",
+        )
     if "state_dict_type" in keys:
         for tag, mode in modes:
             add(

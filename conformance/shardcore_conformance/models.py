@@ -206,6 +206,14 @@ def build_lora(arch: str) -> nn.Module:
     return get_peft_model(_tiny_model(arch, {}), config)
 
 
+def build_lora_mixed(arch: str) -> nn.Module:
+    """PEFT's usual set-up: a bf16 base whose adapters PEFT keeps in fp32 (``autocast_adapter_dtype``)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS[arch], task_type="CAUSAL_LM")
+    return get_peft_model(_tiny_model(arch, {}).to(torch.bfloat16), config)
+
+
 def lora_base(arch: str) -> nn.Module:
     """The base model of :func:`build_lora` alone, as PEFT's ``from_pretrained`` gets it."""
     return _tiny_model(arch, {})
@@ -242,11 +250,19 @@ MODELS: dict[str, ModelSpec] = {
     "gpt2": ModelSpec(build_gpt2, "causal_lm", size_wrap_min_params=None, tied=True),
     "llama_lora": ModelSpec(lambda: build_lora("llama"), "causal_lm", size_wrap_min_params=2000),
     "gpt2_lora": ModelSpec(lambda: build_lora("gpt2"), "causal_lm", size_wrap_min_params=None, tied=True),
+    "llama_lora_mixed": ModelSpec(lambda: build_lora_mixed("llama"), "causal_lm", size_wrap_min_params=2000),
 }
 
 
 def is_lora(name: str) -> bool:
-    return name.endswith("_lora")
+    return "_lora" in name
+
+
+def lora_base_of(name: str) -> nn.Module:
+    """The base model a LoRA model ``name`` wraps, built as it builds it (same draws, same dtype)."""
+    arch = name.split("_lora")[0]
+    base = lora_base(arch)
+    return base.to(torch.bfloat16) if name.endswith("_mixed") else base
 
 
 def spec(name: str) -> ModelSpec:
@@ -331,3 +347,8 @@ def loss_fn(name: str, model: nn.Module, batch: dict[str, torch.Tensor]) -> torc
         out = model(batch["x"])
         return F.mse_loss(out.float(), batch["y"].to(out.device).float())
     return model(**batch).loss.float()
+
+
+def llama_lora() -> nn.Module:
+    """A ``module:factory`` for ``shardcore plan --model``: the LoRA cases' Llama."""
+    return build_lora("llama")

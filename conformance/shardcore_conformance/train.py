@@ -35,7 +35,7 @@ from .cases import Case
 from .comm import autograd_facts, recorder_for
 from .effects import ModuleCalls, group_timeout, holder_classes, other_weights
 from .hardware import DEVICE_ENV, hardware
-from .models import build_model, forward_output, is_lora, lora_base, loss_fn, make_batches, probe_batch
+from .models import build_model, forward_output, is_lora, lora_base_of, loss_fn, make_batches, probe_batch
 
 #: environment variables the suite sets for its workers
 REFERENCE_DEVICE_ENV = "SHARDCORE_CONFORMANCE_REFERENCE_DEVICE"  # where the reference runs (default cpu)
@@ -529,10 +529,9 @@ def _peft_round_trips(case: Case, adapter: Path, merged: Path, here: LocalRuntim
 
     from .models import _BUILD_LOCK
 
-    arch = case.model.removesuffix("_lora")
     with _BUILD_LOCK:
         torch.manual_seed(case.seed)  # the base build_model's PEFT model wraps: the same draws, first
-        base = lora_base(arch)
+        base = lora_base_of(case.model)
     with torch.no_grad():
         peft_model = PeftModel.from_pretrained(base, str(adapter)).to(here.device)
         plain = AutoModelForCausalLM.from_pretrained(str(merged)).to(here.device)

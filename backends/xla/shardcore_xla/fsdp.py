@@ -183,3 +183,20 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float) -> torc
     for g in grads:
         g.mul_(coef)
     return total
+
+
+def check_float32_parameters(model: nn.Module) -> None:
+    """torch_xla 2.9's XLA FSDP shards float32 parameters only (else a raw ``TypeError: only fp32
+    parameters are supported`` from inside its constructor): a bf16 model, or a bf16 base with fp32
+    LoRA adapters, is refused here by name."""
+    from shardcore.errors import WrapPlanError
+
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and p.dtype != torch.float32:
+            raise WrapPlanError(
+                "parameter dtypes",
+                f"XLA FSDP (xla_fsdp_v2: false) shards float32 parameters only, and {name} is "
+                f"{str(p.dtype).removeprefix('torch.')}. Keep the parameters in float32 and compute in bf16 with "
+                "xla_fsdp_settings: {compute_dtype: bfloat16}, or shard with SPMD (xla_fsdp_v2: true), which "
+                "takes any dtype.",
+            )

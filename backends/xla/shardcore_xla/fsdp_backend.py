@@ -52,6 +52,7 @@ class XlaFsdpBackend(XlaBackendBase):
         rank 0's weights). Collective, one verdict."""
         self._start(config)  # the collectives below need the device threads
         settings.check_fsdp_replicas(config, self.world().size)
+        fsdp.check_float32_parameters(model)
         if self._threads is not None:
             settings.check_cpu_fsdp_settings(config)
         if self._from_rank0(config):

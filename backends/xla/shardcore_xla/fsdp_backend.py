@@ -50,9 +50,9 @@ class XlaFsdpBackend(XlaBackendBase):
         """The HSDP sizes against the devices; on several CPU devices what the CPU recipe cannot
         honour, and every device's model matching device 0's (with ``cpu_ram_efficient_loading``,
         rank 0's weights). Collective, one verdict."""
+        fsdp.check_float32_parameters(model)  # from the model alone: a refused model claims no process mode
         self._start(config)  # the collectives below need the device threads
         settings.check_fsdp_replicas(config, self.world().size)
-        fsdp.check_float32_parameters(model)
         if self._threads is not None:
             settings.check_cpu_fsdp_settings(config)
         if self._from_rank0(config):

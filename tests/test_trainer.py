@@ -184,3 +184,43 @@ def test_fsdp2_trainer_matches_the_plain_trainer_and_resumes(tmp_path):
     assert "model.safetensors" in report["FULL_STATE_DICT"]["checkpoint_files"]
     assert "scheduler.pt" in report["SHARDED_STATE_DICT"]["checkpoint_files"]
     assert _max_diff(straight["FULL_STATE_DICT"], straight["SHARDED_STATE_DICT"]) == 0.0
+
+
+@pytest.mark.multiprocess
+def test_trl_sft_trainer_with_the_mixin_trains_a_lora_adapter(tmp_path):
+    """TRL's SFTTrainer + ShardcoreTrainerMixin, peft_config LoRA, 2 FSDP2 ranks: it trains and
+    save_model writes the adapter directory PEFT loads."""
+    pytest.importorskip("trl")
+    report = tmp_path / "sft.json"
+    out = harness.torchrun(2, harness.worker("trainer_fsdp2"), "sft", str(report), timeout=300)
+    assert out.returncode == 0, harness.tail(out.stdout, out.stderr)
+    got = json.loads(report.read_text())
+    print(f"SFTTrainer: losses {got['losses']}, max |lora_B| {got['lora_b_max']:.3e}")
+    assert len(got["losses"]) == 4 and all(0 < x < 10 for x in got["losses"]), got
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(got["adapter_files"]), got
+    assert "model.safetensors" not in got["adapter_files"], got
+    assert got["lora_b_max"] > 0, got
+
+
+EXAMPLE = harness.ROOT / "examples" / "trainer" / "train.py"
+
+
+@pytest.mark.multiprocess
+def test_the_trainer_example_runs_under_torchrun_and_accelerate_launch(tmp_path):
+    """docs/trainer.md's script, examples/trainer/train.py, both ways it shows; its FULL export loads
+    with from_pretrained."""
+    from transformers import LlamaForCausalLM
+
+    launches = {
+        "torchrun": [harness.BIN / "torchrun", "--standalone", "--nproc_per_node", "2", EXAMPLE],
+        "accelerate": [harness.BIN / "accelerate", "launch", "--multi_gpu", "--num_processes", "2", EXAMPLE],
+    }
+    for name, cmd in launches.items():
+        cwd = tmp_path / name
+        cwd.mkdir()
+        out = harness.run(cmd, cwd=cwd, timeout=300)
+        assert out.returncode == 0, (name, harness.tail(out.stdout, out.stderr))
+        assert out.stdout.count("final loss") == 1, (name, out.stdout[-2000:])
+        export = cwd / "trainer-example"
+        assert (export / "checkpoint-2" / "shardcore.json").is_file() and (export / "model.safetensors").is_file()
+        LlamaForCausalLM.from_pretrained(export)

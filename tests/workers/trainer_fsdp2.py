@@ -205,7 +205,10 @@ def run_sft(out: str) -> None:
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e and "train_loss" not in e]
     if dist.get_rank() == 0:
         files = sorted(p.name for p in (root / "adapter").iterdir())
-        json.dump({"losses": losses, "adapter_files": files, "backend": "fsdp2"}, open(out, "w"))
+        # PEFT loads the adapter back onto a fresh base; LoRA's B starts at zero, so nonzero B is training
+        loaded = PeftModel.from_pretrained(build_model("llama", 0), str(root / "adapter"))
+        lora_b = max(float(p.abs().max()) for n, p in loaded.named_parameters() if "lora_B" in n)
+        json.dump({"losses": losses, "adapter_files": files, "lora_b_max": lora_b}, open(out, "w"))
     dist.barrier()
 
 

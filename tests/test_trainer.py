@@ -84,6 +84,7 @@ def test_fsdp_with_a_presharded_model_is_refused(tmp_path, tiny_llama):
         ({"ddp_find_unused_parameters": True}, "ddp_find_unused_parameters"),
         ({"ddp_bucket_cap_mb": 25}, "ddp_bucket_cap_mb"),
         ({"auto_find_batch_size": True}, "auto_find_batch_size"),
+        ({"fsdp_config": {"xla": True}}, "xla"),
         ({"fsdp_config": {"auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "no_such_key": 1}}, "no_such_key"),
         (
             {"fsdp_config": {"activation_checkpointing": True}, "gradient_checkpointing": True},

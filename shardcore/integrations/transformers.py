@@ -3,15 +3,16 @@
     from shardcore.integrations.transformers import Trainer   # instead of: from transformers import Trainer
 
 With ``TrainingArguments(fsdp=True, fsdp_config=...)`` the ``fsdp_config`` is the shard config (every
-key :func:`shardcore.parse_config` reads, ``xla`` and the XLA keys included), and the model goes
-through :func:`shardcore.shard` instead of accelerate's wrapping. A model the script sharded itself
+key :func:`shardcore.parse_config` reads; the FSDP2 backend: ``xla: true`` is refused until the XLA
+backends are wired into the Trainer's data loading), and the model goes through :func:`shardcore.shard`
+instead of accelerate's wrapping. A model the script sharded itself
 (``shardcore.shard`` before the Trainer) is trained as it is, with the config it was sharded with.
 Without either, the class is ``transformers.Trainer`` unchanged.
 
 What changes inside, and only on this Trainer instance (no patch of transformers or accelerate
 outlives it): the optimizer is built on the sharded parameters; clipping is
 :func:`shardcore.clip_grad_norm_`; accumulation micro-batches run under :func:`shardcore.no_sync`; the
-logged loss is the mean over ranks (``reduce``); XLA steps end with ``step_end()``; ``save_model``
+logged loss is the mean over ranks (``reduce``); each step ends with ``step_end()``; ``save_model``
 writes a FULL checkpoint (``from_pretrained`` loads it, an adapter directory for a PEFT model);
 ``save_strategy`` checkpoints and ``resume_from_checkpoint`` go through :func:`shardcore.save` /
 :func:`shardcore.load` in the config's ``state_dict_type``, beside the Trainer's own scheduler, RNG and
@@ -133,6 +134,16 @@ class ShardcoreTrainerMixin:
         self._shardcore_config = _shard_config_for(self.model, self.args)
         if self._shardcore_config is None:
             return super().create_accelerator_and_postprocess()
+        if self._shardcore_config.backend_name == "xla":
+            # Not wired yet: XLA FSDP on CPU runs devices as threads of one process, where accelerate's
+            # process-wide state (PartialState) would give every device thread the first one's rank and
+            # device, so the Trainer's data sharding and gathers would be wrong. Refused, not run wrong.
+            raise ShardConfigError(
+                "xla",
+                "is true in fsdp_config, but shardcore's Trainer integration runs on the fsdp2 backend only for "
+                "now (the XLA backends are not wired into the Trainer's data loading yet). Use the shardcore "
+                "training loop on XLA (docs/training.md, examples/demo.py), or the fsdp2 backend with this Trainer.",
+            )
         _refuse_what_cannot_apply(self)
         super().create_accelerator_and_postprocess()
         if self.is_fsdp_enabled or self.is_deepspeed_enabled:

@@ -215,17 +215,7 @@ def _matrix(backend: Any, world_size: int = 2, dtype: str | None = None) -> list
     # resuming is part of the certificate: every checkpoint case saves the model and its optimizer
     # mid-run and trains on from a new model and optimizer that loaded them, in each format and mode
     modes = [("", {})] + ([("-v21", {"xla_fsdp_v2": True})] if "xla_fsdp_v2" in keys else [])
-    for tag, mode in modes:
-        add(f"llama-resume{tag}", "llama", mode, resume_at=RESUME_AT, family="checkpoint")
-    if "state_dict_type" in keys:
-        for tag, mode in modes:  # each XLA mode writes its own SHARDED format
-            add(
-                f"llama-sharded_state_dict{tag}",
-                "llama",
-                {"state_dict_type": "SHARDED_STATE_DICT", **mode},
-                resume_at=RESUME_AT,
-                family="checkpoint",
-            )
+    _resume_cases(add, keys, modes, "llama", "llama", "checkpoint")
     if "cpu_ram_efficient_loading" in keys:
         add("llama-cpu_ram_efficient_loading", "llama", {"cpu_ram_efficient_loading": True}, family="checkpoint")
         if _shards_without_weights(backend):  # persistent buffers are read from the file too
@@ -343,6 +333,25 @@ def _matrix(backend: Any, world_size: int = 2, dtype: str | None = None) -> list
     return out
 
 
+def _resume_cases(
+    add: Any, keys: frozenset[str], modes: list[tuple[str, dict[str, Any]]], prefix: str, model: str, family: str
+) -> None:
+    """Resuming is part of the certificate: in each mode, save the model and its optimizer mid-run in
+    the FULL format and (with ``state_dict_type``) in the mode's own SHARDED format, and train on from a
+    new model and optimizer that loaded them."""
+    for tag, mode in modes:
+        add(f"{prefix}-resume{tag}", model, mode, resume_at=RESUME_AT, family=family)
+    if "state_dict_type" in keys:
+        for tag, mode in modes:
+            add(
+                f"{prefix}-sharded_state_dict{tag}",
+                model,
+                {"state_dict_type": "SHARDED_STATE_DICT", **mode},
+                resume_at=RESUME_AT,
+                family=family,
+            )
+
+
 def _peft_installed() -> bool:
     import importlib.util
 
@@ -366,7 +375,6 @@ def _lora_cases(add: Any, keys: frozenset[str], clips: bool, modes: list[tuple[s
     if clips:
         add("lora-llama-clip", "llama_lora", {}, max_grad_norm=CLIP_NORM, family="lora")
     add("lora-llama-grad_accum", "llama_lora", {}, grad_accum=2, family="lora")
-    add("lora-llama-resume", "llama_lora", {}, resume_at=RESUME_AT, family="lora")
     if "xla_fsdp_v2" in keys:
         # a bf16 base with fp32 adapters trains under SPMD (FSDP2 and XLA FSDP refuse it by name: they
         # shard a unit, or every parameter, in one dtype); compared at bf16 tolerances
@@ -378,15 +386,7 @@ def _lora_cases(add: Any, keys: frozenset[str], clips: bool, modes: list[tuple[s
             lr=LOW_PRECISION_LR,
             family="lora",
         )
-    if "state_dict_type" in keys:
-        for tag, mode in modes:
-            add(
-                f"lora-llama-sharded_state_dict{tag}",
-                "llama_lora",
-                {"state_dict_type": "SHARDED_STATE_DICT", **mode},
-                resume_at=RESUME_AT,
-                family="lora",
-            )
+    _resume_cases(add, keys, modes, "lora-llama", "llama_lora", "lora")
 
 
 def _hsdp_cases(add: Any, keys: frozenset[str], world_size: int, clips: bool) -> None:

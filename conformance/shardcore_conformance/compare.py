@@ -197,18 +197,24 @@ def compare(
         from shardcore import parse_config
 
         cfg = parse_config(config)
-        _compare_communication(v, ref, got, config, grad_accum)
-        _compare_compilation(v, got, config)
-        _compare_placement(v, got, config)
+        _compare_communication(v, ref, got, cfg, grad_accum)
+        _compare_compilation(v, got, cfg)
+        _compare_placement(v, got, cfg)
         _compare_effects(v, ref, got, cfg)
-        _observe_numbers(v, got, cfg)
+        _observe_other_checks(v, got, cfg)
     return v
 
 
 def _compare_effects(v: Verdict, ref: dict[str, Any], got: dict[str, Any], cfg: Any) -> None:
     """What the modules did in the first step (:mod:`.effects`): recomputation and compute dtype;
     and the process group's timeout."""
-    from .effects import RECOMPUTATION_KEYS, dtype_problems, recomputation_problems, recomputing_key
+    from .effects import (
+        RECOMPUTATION_KEYS,
+        compute_dtype_name,
+        dtype_problems,
+        recomputation_problems,
+        recomputing_key,
+    )
 
     if "modules" in ref and got.get("modules"):
         units = [u["path"] for u in ref.get("units", []) if u["path"]]
@@ -217,7 +223,7 @@ def _compare_effects(v: Verdict, ref: dict[str, Any], got: dict[str, Any], cfg: 
         _observed(v, "recomputation", RECOMPUTATION_KEYS, cfg)
         if recomputing_key(cfg) is not None:  # which modules recompute is which modules are units
             _observed(v, "recomputation", WRAP_KEYS, cfg)
-        compute = _compute_dtype_name(cfg)
+        compute = compute_dtype_name(cfg)
         # XLA's compute_dtype is held to its all-gather bytes (communication), not to this check:
         # torch_xla 2.9's XLA FSDP puts the gathered bf16 data into parameters that still say float32
         # (_replace_xla_tensor keeps the dtype), so every op that promotes by the declared dtype (a norm's
@@ -239,16 +245,6 @@ def _compare_effects(v: Verdict, ref: dict[str, Any], got: dict[str, Any], cfg: 
         _observed(v, "process-group timeout", ("timeout",), cfg)
 
 
-def _compute_dtype_name(cfg: Any) -> str | None:
-    """The low-precision dtype a config computes in (``mixed_precision`` param dtype or XLA's
-    ``compute_dtype``), or None."""
-    mp = cfg.mixed_precision
-    if mp is not None and mp.param_dtype is not None:
-        return str(mp.param_dtype)
-    compute = dict(cfg.xla_fsdp_settings).get("compute_dtype")
-    return str(compute).removeprefix("torch.") if compute else None
-
-
 #: the keys that decide the units
 WRAP_KEYS = ("auto_wrap_policy", "min_num_params", "transformer_layer_cls_to_wrap")
 #: per communication pattern, the keys whose effect the check against its prediction sees
@@ -259,7 +255,7 @@ COMMUNICATION_KEYS = {
 }
 
 
-def _observe_numbers(v: Verdict, got: dict[str, Any], cfg: Any) -> None:
+def _observe_other_checks(v: Verdict, got: dict[str, Any], cfg: Any) -> None:
     """The keys whose effect the numbers, the placement, the compilation or a resumed run show."""
     if got.get("resumed_at"):
         _observed(v, "resume", ("state_dict_type",), cfg)
@@ -280,11 +276,7 @@ def _observe_numbers(v: Verdict, got: dict[str, Any], cfg: Any) -> None:
         _observed(v, "compilation", ("torch_compile",), cfg)
 
 
-def _compare_communication(
-    v: Verdict, ref: dict[str, Any], got: dict[str, Any], config: dict[str, Any], a: int
-) -> None:
-    from shardcore import parse_config
-
+def _compare_communication(v: Verdict, ref: dict[str, Any], got: dict[str, Any], cfg: Any, a: int) -> None:
     from .comm import KINDS, check, predictions
 
     comm = got.get("comm")
@@ -296,13 +288,13 @@ def _compare_communication(
     expected = None
     predict = predictions().get(comm.get("pattern"))
     if predict is not None and "units" in ref:
-        expected = predict(ref["units"], parse_config(config), comm["world_size"], a)
+        expected = predict(ref["units"], cfg, comm["world_size"], a)
     if expected is not None:
         v.comm_checked = True
         for problem in check(comm["ranks"], expected)[:1]:
             _fail(v, problem)
         if comm["world_size"] > 1:  # a collective over one rank moves nothing and is not counted
-            _observed(v, "communication", COMMUNICATION_KEYS.get(comm.get("pattern"), ()), parse_config(config))
+            _observed(v, "communication", COMMUNICATION_KEYS.get(comm.get("pattern"), ()), cfg)
     v.comm = {
         k: {
             "count": first[k]["count"],
@@ -314,25 +306,21 @@ def _compare_communication(
     }
 
 
-def _compare_placement(v: Verdict, got: dict[str, Any], config: dict[str, Any]) -> None:
-    from shardcore import parse_config
-
+def _compare_placement(v: Verdict, got: dict[str, Any], cfg: Any) -> None:
     from .hardware import placement_problems
 
     placement = got.get("placement")
     if placement:
         # from the config, not from the backend: a backend that ignores xla_fsdp_v2 feeds each device its own rows
-        spmd = got.get("comm", {}).get("pattern") == "spmd" or parse_config(config).xla_fsdp_v2
-        for problem in placement_problems(placement, parse_config(config), spmd):
+        spmd = got.get("comm", {}).get("pattern") == "spmd" or cfg.xla_fsdp_v2
+        for problem in placement_problems(placement, cfg, spmd):
             _fail(v, problem)
 
 
-def _compare_compilation(v: Verdict, got: dict[str, Any], config: dict[str, Any]) -> None:
-    from shardcore import parse_config
-
+def _compare_compilation(v: Verdict, got: dict[str, Any], cfg: Any) -> None:
     graphs = got.get("compile", {}).get("graphs_per_step", [])
     v.compiled_graphs = list(graphs)
-    if not parse_config(config).torch_compile or not graphs:
+    if not cfg.torch_compile or not graphs:
         return
     if graphs[0] == 0:
         _fail(v, "torch_compile is set but dynamo compiled no graph in the first step: the units ran eagerly")

@@ -7,8 +7,9 @@ numbers and the collectives as they were.
   class, the reference's calls plus one more for each call inside a plan unit, and without the key
   exactly the reference's. A forward hook sees the recomputation whatever does it (non-reentrant
   ``torch.utils.checkpoint``, torch_xla's ``checkpoint_module``), on eager and lazy tensors alike.
-* **compute dtype** (``mixed_precision``, XLA's ``compute_dtype``): the dtype of each such module's
-  output in that step, per class, must be the reference's, which computes in the case's dtype.
+* **compute dtype** (``mixed_precision``): the dtype of each such module's output in that step, per
+  class, must be the reference's, which computes in the case's dtype. (XLA's ``compute_dtype`` is held
+  to its all-gather bytes instead: see ``compare.py`` and conformance/README.md.)
 * **rank 0's weights** (``cpu_ram_efficient_loading``): every rank but 0 builds the model with other
   weights; the key says that rank 0's are the ones sharded, so the numbers then tell.
 * **process-group timeout** (``timeout``): the timeout of the group the run used, read back.
@@ -19,6 +20,7 @@ inside a compiled backward runs no Python at all.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from typing import Any, Iterator
 
@@ -93,18 +95,13 @@ class ModuleCalls:
 
         return hook
 
+    @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
-        import contextlib
-
-        @contextlib.contextmanager
-        def on() -> Iterator[None]:
-            self._on = True
-            try:
-                yield
-            finally:
-                self._on = False
-
-        return on()
+        self._on = True
+        try:
+            yield
+        finally:
+            self._on = False
 
     def uninstall(self) -> None:
         for h in self._handles:
@@ -118,6 +115,17 @@ class ModuleCalls:
             "classes": dict(self.kinds),
             "grad_inputs": dict(self.grad_inputs),
         }
+
+
+def compute_dtype_name(config: Any) -> str | None:
+    """The low-precision dtype a parsed config computes in (the ``mixed_precision`` param dtype, else
+    XLA's ``xla_fsdp_settings.compute_dtype``), or None: full precision."""
+    from shardcore.config.fields import dtype_name
+
+    mp = config.mixed_precision
+    if mp is not None and mp.param_dtype is not None:
+        return dtype_name("mixed_precision.param_dtype", mp.param_dtype)
+    return dtype_name("xla_fsdp_settings.compute_dtype", dict(config.xla_fsdp_settings).get("compute_dtype"))
 
 
 def recomputing_key(config: Any) -> str | None:

@@ -33,7 +33,7 @@ from shardcore.ties import retie_like
 
 from .cases import Case
 from .comm import autograd_facts, recorder_for
-from .effects import ModuleCalls, group_timeout, holder_classes, other_weights
+from .effects import ModuleCalls, compute_dtype_name, group_timeout, holder_classes, other_weights
 from .hardware import DEVICE_ENV, hardware
 from .models import build_model, forward_output, is_lora, lora_base_of, loss_fn, make_batches, probe_batch
 
@@ -563,14 +563,8 @@ def _reference_compute_dtype(case: Case) -> torch.dtype | None:
     ``mixed_precision`` param dtype, or the XLA ``xla_fsdp_settings`` compute dtype."""
     from shardcore import parse_config
 
-    cfg = parse_config(case.config)
-    mp = cfg.mixed_precision
-    if mp is not None and mp.param_dtype is not None:
-        return getattr(torch, mp.param_dtype)
-    compute = dict(cfg.xla_fsdp_settings).get("compute_dtype")
-    if compute:
-        return getattr(torch, str(compute).removeprefix("torch."))
-    return None
+    name = compute_dtype_name(parse_config(case.config))
+    return getattr(torch, name) if name else None
 
 
 def _low_precision_step(case: Case, model: nn.Module, batch, dtype: torch.dtype) -> torch.Tensor:

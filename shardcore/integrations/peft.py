@@ -125,6 +125,5 @@ def merged_model(model: Any, state: dict[str, torch.Tensor]) -> nn.Module:
     peft_config = copy.deepcopy(model.peft_config[adapter])
     peft_config.inference_mode = False
     wrapped = get_peft_model(fresh, peft_config, adapter_name=adapter)
-    floats = {k: v for k, v in state.items()}
-    wrapped.load_state_dict(floats, strict=True)
+    wrapped.load_state_dict(state, strict=True)
     return wrapped.merge_and_unload()

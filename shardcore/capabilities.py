@@ -223,6 +223,12 @@ class RenamesParameters(Protocol):
         without gathering anything."""
         ...
 
+    def original_names(self, model: nn.Module) -> dict[str, list[str]]:
+        """Each parameter's name in the wrapped ``model`` -> the original parameter names it holds
+        (one, or several where the wrapper flattened them into one), for code that decides per original
+        parameter (the Trainer's weight-decay groups)."""
+        ...
+
 
 #: every optional capability, in the order the docs list them
 CAPABILITIES: tuple[type, ...] = (

@@ -4,7 +4,9 @@ reductions under accumulation, and resuming in both checkpoint formats."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 
 import pytest
 import torch
@@ -12,13 +14,16 @@ from safetensors.torch import load_file
 
 import shardcore
 from shardcore.errors import ShardConfigError
+from shardcore_conformance.compare import TOLERANCES
 
 import harness
 
 pytest.importorskip("transformers")
 
-#: conformance/shardcore_conformance/compare.py TOLERANCES["fp32"].param_atol
-PARAM_ATOL = 5e-5
+#: conformance/shardcore_conformance/compare.py TOLERANCES["fp32"]
+PARAM_ATOL = TOLERANCES["fp32"].param_atol
+LOSS_ATOL, LOSS_RTOL = TOLERANCES["fp32"].loss_atol, TOLERANCES["fp32"].loss_rtol
+OUTPUT_ATOL = TOLERANCES["fp32"].output_atol
 
 
 def _args(tmp_path, **kw):
@@ -148,43 +153,114 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
-@pytest.mark.multiprocess
-def test_fsdp2_trainer_matches_the_plain_trainer_and_resumes(tmp_path):
-    """transformers.Trainer on one process vs this Trainer on 2 FSDP2 ranks, the same global batches,
-    clipping at every step, 2 accumulation steps: final parameters within the suite's fp32 param_atol.
-    With accumulation, one reduce-scatter per FSDP unit per optimizer step. Resumed from the middle
-    checkpoint, FULL and SHARDED, the parameters are the uninterrupted run's."""
-    worker = harness.worker("trainer_fsdp2")
-    ref = tmp_path / "ref.safetensors"
-    out = harness.python(worker, "reference", str(ref), timeout=300)
+@pytest.fixture(scope="module")
+def plain_trainer(tmp_path_factory):
+    """transformers.Trainer on one process: final parameters, evaluation loss and predicted logits."""
+    ref = tmp_path_factory.mktemp("plain") / "ref.safetensors"
+    out = harness.python(harness.worker("trainer_fsdp2"), "reference", str(ref), timeout=300)
     assert out.returncode == 0, harness.tail(out.stdout, out.stderr)
-    report_path = tmp_path / "report.json"
-    out = harness.torchrun(2, worker, "sharded", str(report_path), timeout=420)
-    assert out.returncode == 0, harness.tail(out.stdout, out.stderr)
-    report = json.loads(report_path.read_text())
-    reference = load_file(ref)
+    return load_file(ref), load_file(str(ref) + ".eval.safetensors")
+
+
+def _check_against_plain(report: dict, plain, backend: str) -> None:
+    """Each run's final parameters within param_atol of the plain Trainer's, its evaluation loss
+    within the loss tolerance and its predicted logits within output_atol; each resumed run's
+    parameters and loss log exactly the uninterrupted run's; FULL and SHARDED runs identical."""
+    reference, ref_eval = plain
     straight = {}
     for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
         run = report[kind]
         straight[kind] = load_file(run["params"])
         diff = _max_diff(straight[kind], reference)
+        got = load_file(run["eval"])
+        eval_diff = abs(float(got["eval_loss"]) - float(ref_eval["eval_loss"]))
+        logits_diff = float((got["logits"] - ref_eval["logits"]).abs().max())
         print(
-            f"{kind}: max |param - reference| = {diff:.3e}; reduce-scatters per step {run['reduce_scatters_per_step']}"
+            f"{backend} {kind}: max |param - plain Trainer| = {diff:.3e}; |eval_loss diff| = {eval_diff:.3e}; "
+            f"max |logits diff| = {logits_diff:.3e}; reduce-scatters per step {run['reduce_scatters_per_step']}"
         )
         assert diff <= PARAM_ATOL, (kind, diff)
-        # one reduce-scatter per unit per optimizer step, not one per micro-batch
-        assert run["reduce_scatters_per_step"] == [run["units"]] * 4, run
-        assert run["units"] == 3  # 2 decoder layers and the root
+        assert eval_diff <= LOSS_ATOL + LOSS_RTOL * abs(float(ref_eval["eval_loss"])), (kind, eval_diff)
+        assert got["logits"].shape == ref_eval["logits"].shape, (got["logits"].shape, ref_eval["logits"].shape)
+        assert logits_diff <= OUTPUT_ATOL, (kind, logits_diff)
         resumed = report[kind + "-resumed"]
-        assert resumed["reduce_scatters_per_step"] == [run["units"]] * 2, resumed
         rdiff = _max_diff(load_file(resumed["params"]), straight[kind])
-        print(f"{kind}: resumed from checkpoint-2, max |param - uninterrupted| = {rdiff:.3e}")
+        print(f"{backend} {kind}: resumed from checkpoint-2, max |param - uninterrupted| = {rdiff:.3e}")
         assert rdiff == 0.0, (kind, rdiff)
         # the log history comes back with trainer_state.json: steps 1-2 from it, 3-4 trained again
         assert resumed["losses"] == run["losses"], (resumed["losses"], run["losses"])
     assert "model.safetensors" in report["FULL_STATE_DICT"]["checkpoint_files"]
     assert "scheduler.pt" in report["SHARDED_STATE_DICT"]["checkpoint_files"]
     assert _max_diff(straight["FULL_STATE_DICT"], straight["SHARDED_STATE_DICT"]) == 0.0
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_trainer_matches_the_plain_trainer_and_resumes(tmp_path, plain_trainer):
+    """transformers.Trainer on one process vs this Trainer on 2 FSDP2 ranks, the same global batches,
+    clipping at every step, 2 accumulation steps: final parameters within the suite's fp32 param_atol.
+    With accumulation, one reduce-scatter per FSDP unit per optimizer step. Resumed from the middle
+    checkpoint, FULL and SHARDED, the parameters are the uninterrupted run's."""
+    worker = harness.worker("trainer_fsdp2")
+    report_path = tmp_path / "report.json"
+    out = harness.torchrun(2, worker, "sharded", str(report_path), timeout=420)
+    assert out.returncode == 0, harness.tail(out.stdout, out.stderr)
+    report = json.loads(report_path.read_text())
+    _check_against_plain(report, plain_trainer, "fsdp2")
+    for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+        run, resumed = report[kind], report[kind + "-resumed"]
+        # one reduce-scatter per unit per optimizer step, not one per micro-batch
+        assert run["units"] == 3  # 2 decoder layers and the root
+        assert run["reduce_scatters_per_step"] == [run["units"]] * 4, run
+        assert resumed["reduce_scatters_per_step"] == [run["units"]] * 2, resumed
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", ["fsdp", "spmd"])
+def test_xla_trainer_matches_the_plain_trainer_and_resumes(tmp_path, plain_trainer, mode):
+    """The same on 2 CPU PJRT devices: XLA FSDP (a Trainer per device thread, started by
+    shardcore.launch) and SPMD (one controller, its batch the global one). XLA FSDP reduce-scatters each
+    sharded parameter once per optimizer step with 2 accumulation steps (counted in the step's traced
+    graph); SPMD's collectives are the partitioner's, inserted when it compiles."""
+    pytest.importorskip("torch_xla")
+    report_path = tmp_path / "report.json"
+    out = harness.python(harness.worker("trainer_xla"), mode, str(report_path), env=harness.xla_env(2), timeout=420)
+    assert out.returncode == 0, harness.tail(out.stdout, out.stderr)
+    report = json.loads(report_path.read_text())
+    _check_against_plain(report, plain_trainer, f"xla {mode}")
+    for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+        run, resumed = report[kind], report[kind + "-resumed"]
+        assert run["world_size"] == (2 if mode == "fsdp" else 1), run  # SPMD: one controller
+        if mode == "fsdp":
+            assert run["reduce_scatters_per_step"] == [run["sharded_params"]] * 4, run
+            assert resumed["reduce_scatters_per_step"] == [run["sharded_params"]] * 2, resumed
+
+
+def test_xla_where_transformers_does_not_see_torch_xla_is_refused(tmp_path, tiny_llama, monkeypatch):
+    """Transformers picks the Trainer's device from torch_xla being importable (USE_TORCH_XLA), not
+    from fsdp_config: xla: true without it would feed the batches to another device."""
+    import transformers.utils
+
+    from shardcore.integrations.transformers import Trainer
+
+    monkeypatch.setattr(transformers.utils, "is_torch_xla_available", lambda *a, **k: False)
+    with pytest.raises(ShardConfigError, match="'xla'.*does not see torch_xla") as e:
+        Trainer(model=tiny_llama, args=_args(tmp_path, fsdp=True, fsdp_config={"xla": True}), train_dataset=_data())
+    assert e.value.key == "xla"
+
+
+@pytest.mark.multiprocess
+def test_xla_trainer_refusals(tmp_path):
+    """In a process where Transformers sees torch_xla: the fsdp2 backend (the Trainer would run on
+    the XLA device), SPMD turned on after TrainingArguments made its device (it crashed in the first
+    step), and weight decay on a model an XLA backend sharded (renamed) before the Trainer."""
+    pytest.importorskip("torch_xla")
+    report = tmp_path / "refusals.json"
+    out = harness.python(harness.worker("trainer_xla"), "refusals", str(report), env=harness.xla_env(1), timeout=300)
+    assert out.returncode == 0, harness.tail(out.stdout, out.stderr)
+    got = json.loads(report.read_text())
+    assert got["fsdp2"][0] == "xla" and "USE_TORCH_XLA=0" in got["fsdp2"][1], got
+    assert got["spmd"][0] == "xla_fsdp_v2" and "shardcore.launch" in got["spmd"][1], got
+    assert got["weight_decay"][0] == "weight_decay" and "rename" in got["weight_decay"][1], got
 
 
 @pytest.mark.multiprocess
@@ -208,18 +284,23 @@ EXAMPLE = harness.ROOT / "examples" / "trainer" / "train.py"
 
 @pytest.mark.multiprocess
 def test_the_trainer_example_runs_under_torchrun_and_accelerate_launch(tmp_path):
-    """docs/trainer.md's script, examples/trainer/train.py, both ways it shows; its FULL export loads
-    with from_pretrained."""
+    """docs/trainer.md's script, examples/trainer/train.py, every way it shows (torchrun, accelerate
+    launch, and with only the fsdp_config changed, XLA FSDP and SPMD on 2 CPU devices); its FULL
+    export loads with from_pretrained."""
     from transformers import LlamaForCausalLM
 
+    configs = harness.ROOT / "examples" / "configs"
     launches = {
-        "torchrun": [harness.BIN / "torchrun", "--standalone", "--nproc_per_node", "2", EXAMPLE],
-        "accelerate": [harness.BIN / "accelerate", "launch", "--multi_gpu", "--num_processes", "2", EXAMPLE],
+        "torchrun": ([harness.BIN / "torchrun", "--standalone", "--nproc_per_node", "2", EXAMPLE], None),
+        "accelerate": ([harness.BIN / "accelerate", "launch", "--multi_gpu", "--num_processes", "2", EXAMPLE], None),
     }
-    for name, cmd in launches.items():
+    if importlib.util.find_spec("torch_xla") is not None:
+        for mode in ("xla_fsdp", "xla_spmd"):
+            launches[mode] = ([sys.executable, EXAMPLE, configs / f"{mode}.json"], harness.xla_env(2))
+    for name, (cmd, env) in launches.items():
         cwd = tmp_path / name
         cwd.mkdir()
-        out = harness.run(cmd, cwd=cwd, timeout=300)
+        out = harness.run(cmd, cwd=cwd, env=env, timeout=300)
         assert out.returncode == 0, (name, harness.tail(out.stdout, out.stderr))
         assert out.stdout.count("final loss") == 1, (name, out.stdout[-2000:])
         export = cwd / "trainer-example"

@@ -3,8 +3,8 @@
     from shardcore.integrations.transformers import Trainer   # instead of: from transformers import Trainer
 
 With ``TrainingArguments(fsdp=True, fsdp_config=...)`` the ``fsdp_config`` is the shard config (every
-key :func:`shardcore.parse_config` reads; the FSDP2 backend: ``xla: true`` is refused until the XLA
-backends are wired into the Trainer's data loading), and the model goes through :func:`shardcore.shard`
+key :func:`shardcore.parse_config` reads, on every backend: FSDP2 under torchrun or ``accelerate launch``,
+XLA FSDP and SPMD under :func:`shardcore.launch`), and the model goes through :func:`shardcore.shard`
 instead of accelerate's wrapping. A model the script sharded itself
 (``shardcore.shard`` before the Trainer) is trained as it is, with the config it was sharded with.
 Without either, the class is ``transformers.Trainer`` unchanged.
@@ -19,6 +19,10 @@ writes a FULL checkpoint (``from_pretrained`` loads it, an adapter directory for
 ``trainer_state.json`` files. :class:`ShardcoreTrainerMixin` gives any ``Trainer`` subclass (TRL's
 ``SFTTrainer``...) the same behaviour: ``class MySFT(ShardcoreTrainerMixin, SFTTrainer)``.
 
+On XLA the Trainer keeps its own XLA path where it still applies (accelerate's XLA state and device
+loader) and the backend replaces the rest; what is swapped for XLA FSDP's CPU device threads, and
+why, is in docs/trainer.md ("Backends").
+
 Transformers is imported when this module is; the core never imports this module.
 """
 
@@ -29,6 +33,7 @@ import logging
 import math
 import os
 import shutil
+import threading
 import uuid
 import warnings
 from pathlib import Path
@@ -40,12 +45,14 @@ from torch import nn
 from transformers.trainer_callback import TrainerCallback
 
 from .. import api, loop
+from ..capabilities import RenamesParameters
 from ..checkpoint import load as _sc_load
 from ..checkpoint import save as _sc_save
 from ..config import ShardConfig, parse_config
 from ..errors import ShardConfigError
 
 log = logging.getLogger(__name__)
+_RNG_LOAD_LOCK = threading.Lock()
 
 #: the Trainer's own file names (transformers.trainer SCHEDULER_NAME, TRAINING_ARGS_NAME)
 SCHEDULER_NAME = "scheduler.pt"
@@ -92,6 +99,16 @@ def _refuse_what_cannot_apply(trainer: Any) -> None:
                 f"is {value!r} in TrainingArguments; it configures DistributedDataParallel, which a model sharded "
                 "by shardcore never goes through. Remove it.",
             )
+    optim = str(getattr(getattr(args, "optim", None), "value", getattr(args, "optim", "")))
+    if trainer._shardcore_config.backend_name == "xla" and optim == "adamw_torch_fused":
+        # torch's fused AdamW has kernels for cpu, cuda and a few more, not for XLA tensors: the
+        # first step would fail inside torch.optim. It is TrainingArguments' default from torch 2.8 on.
+        raise ShardConfigError(
+            "optim",
+            "is 'adamw_torch_fused' in TrainingArguments (its default from torch 2.8 on), but torch's fused AdamW "
+            "has no kernels for XLA tensors, where the xla backend keeps the parameters. Set optim='adamw_torch' "
+            "(or 'adamw_torch_xla').",
+        )
     if getattr(args, "auto_find_batch_size", False):
         raise ShardConfigError(
             "auto_find_batch_size",
@@ -103,6 +120,49 @@ def _refuse_what_cannot_apply(trainer: Any) -> None:
             "n_gpu",
             f"is {args.n_gpu}: this process sees several GPUs and the Trainer would wrap the model in "
             "torch.nn.DataParallel. Launch one process per device (torchrun, accelerate launch).",
+        )
+
+
+def _check_xla_matches_transformers(config: ShardConfig) -> None:
+    """Transformers and accelerate pick the Trainer's device from whether torch_xla is importable
+    (``USE_TORCH_XLA``), not from the shard config: the two must agree, or the batches go to one device
+    and the shards live on another."""
+    from transformers.utils import is_torch_xla_available
+
+    xla = config.backend_name == "xla"
+    if xla and not is_torch_xla_available():
+        raise ShardConfigError(
+            "xla",
+            f"is true in fsdp_config, but Transformers does not see torch_xla (USE_TORCH_XLA="
+            f"{os.environ.get('USE_TORCH_XLA', '<unset>')!r}, or torch_xla is not installed), so the Trainer would "
+            "feed its batches to another device. Install the XLA backend (pip install shardcore-xla) and unset "
+            "USE_TORCH_XLA, or drop xla from fsdp_config.",
+        )
+    if not xla and is_torch_xla_available():
+        raise ShardConfigError(
+            "xla",
+            f"is not set in fsdp_config, so the {config.backend_name!r} backend shards, but torch_xla is installed and "
+            "Transformers and accelerate then run the Trainer on the XLA device. Launch with USE_TORCH_XLA=0 in the "
+            "environment, or set xla: true in fsdp_config to train with the XLA backend.",
+        )
+
+
+def _check_spmd_started_first(config: ShardConfig) -> None:
+    """SPMD mode is global to a process and must be on before the first XLA tensor, and
+    ``TrainingArguments`` makes the XLA device when it is created: by the time the Trainer exists it
+    is too late to turn on (torch_xla would replicate what exists, and the first step crashed with a
+    segfault here). ``shardcore.launch`` turns it on before the script's function runs."""
+    if config.backend_name != "xla" or not config.xla_fsdp_v2:
+        return
+    import torch_xla.runtime as xr
+
+    if not xr.is_spmd():
+        raise ShardConfigError(
+            "xla_fsdp_v2",
+            "is true in fsdp_config, but this process's XLA runtime is not in SPMD mode, and TrainingArguments "
+            "already made its XLA device: SPMD must be on before that. Run the script's training function with "
+            "shardcore.launch(main, fsdp_config), which turns it on first, or call torch_xla.runtime.use_spmd() "
+            "before creating TrainingArguments.",
         )
 
 
@@ -134,16 +194,8 @@ class ShardcoreTrainerMixin:
         self._shardcore_config = _shard_config_for(self.model, self.args)
         if self._shardcore_config is None:
             return super().create_accelerator_and_postprocess()
-        if self._shardcore_config.backend_name == "xla":
-            # Not wired yet: XLA FSDP on CPU runs devices as threads of one process, where accelerate's
-            # process-wide state (PartialState) would give every device thread the first one's rank and
-            # device, so the Trainer's data sharding and gathers would be wrong. Refused, not run wrong.
-            raise ShardConfigError(
-                "xla",
-                "is true in fsdp_config, but shardcore's Trainer integration runs on the fsdp2 backend only for "
-                "now (the XLA backends are not wired into the Trainer's data loading yet). Use the shardcore "
-                "training loop on XLA (docs/training.md, examples/demo.py), or the fsdp2 backend with this Trainer.",
-            )
+        _check_xla_matches_transformers(self._shardcore_config)
+        _check_spmd_started_first(self._shardcore_config)
         _refuse_what_cannot_apply(self)
         super().create_accelerator_and_postprocess()
         if self.is_fsdp_enabled or self.is_deepspeed_enabled:
@@ -159,6 +211,12 @@ class ShardcoreTrainerMixin:
         # accelerate's no_sync looks for model.no_sync, which a sharded model does not have (FSDP2):
         # every micro-batch would reduce. This instance's accelerator only.
         self.accelerator.no_sync = _shardcore_no_sync
+        if self._shardcore_config.backend_name == "xla":
+            # accelerate gathers with torch_xla's all_gather, a collective inside the lazy graph that
+            # the next unserialized sync runs: on CPU device threads each thread would compile its own
+            # module and their rendezvous never meet. shardcore's collectives meet every backend's ranks.
+            self.accelerator.gather = self._shardcore_gather
+            self.accelerator.pad_across_processes = self._shardcore_pad_across_processes
 
     def _build_accelerator_args(self, **kwargs) -> dict[str, Any]:
         out = super()._build_accelerator_args(**kwargs)
@@ -216,9 +274,41 @@ class ShardcoreTrainerMixin:
     def _shardcore_model(self) -> nn.Module:
         """The sharded model, sharding it on first use (training, or an evaluation before it)."""
         if api.handle_or_none(self.model) is None:
+            # decided on the unsharded model: its names and module types (a norm's weight is not
+            # decayed), which a renaming wrapper (XLA FSDP) does not keep
+            self._shardcore_decay = set(super().get_decay_parameter_names(self.model))
             self.model = api.shard(self.model, self._shardcore_config)
         self.model_wrapped = self.model
         return self.model
+
+    def get_decay_parameter_names(self, model: nn.Module) -> list[str]:
+        h = api.handle_or_none(model) if self._shardcore_config is not None else None
+        if h is None or not isinstance(h.backend, RenamesParameters):
+            return super().get_decay_parameter_names(model)
+        decay = self.__dict__.get("_shardcore_decay")
+        if decay is None:
+            if not self.args.weight_decay:
+                return []
+            raise ShardConfigError(
+                "weight_decay",
+                f"is {self.args.weight_decay} in TrainingArguments, and the model was sharded before the Trainer by "
+                f"the {h.backend.name!r} backend, whose wrappers rename its parameters: the Trainer could no longer "
+                "tell which are norms and biases (not decayed). Pass the unsharded model with fsdp_config, or set "
+                "weight_decay=0.",
+            )
+        out = []
+        for name, originals in h.backend.original_names(model).items():
+            decayed = [o in decay for o in originals]
+            if all(decayed):
+                out.append(name)
+            elif any(decayed):
+                raise ShardConfigError(
+                    "weight_decay",
+                    f"is {self.args.weight_decay} in TrainingArguments, but the sharded parameter {name!r} holds "
+                    f"{originals}, some decayed and some not (flattened into one): one optimizer group cannot "
+                    "treat them apart. Turn flattening off in the backend's settings or set weight_decay=0.",
+                )
+        return out
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
         if self._shardcore_config is None:
@@ -252,6 +342,64 @@ class ShardcoreTrainerMixin:
         self._train_batch_size = batch_size
 
     # -- the step --------------------------------------------------------------------------------
+    def _prepare_inputs(self, inputs):
+        inputs = super()._prepare_inputs(inputs)
+        cfg = self._shardcore_config
+        if cfg is not None and cfg.backend_name == "xla" and cfg.xla_fsdp_v2 and isinstance(inputs, dict):
+            # one controller: its batch is the global one, sharded along the batch over the mesh
+            # (the plain Trainer's FSDPv2 input_sharding)
+            h = api.handle(self._shardcore_model())
+            batched = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+            inputs = {**inputs, **h.local_batch(batched)}
+        return inputs
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        out = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        cfg = self._shardcore_config
+        if cfg is not None and cfg.backend_name == "xla":
+            # the evaluation loop's own xm.mark_step() is not serialized across CPU device threads,
+            # and this graph holds the forward's all-gathers: run it here, the backend's way
+            api.handle(self.model).step_end()
+        return out
+
+    def _shardcore_gather(self, data: Any) -> Any:
+        """accelerate's ``gather`` (every rank's tensors concatenated along dim 0, scalars as one
+        row each) through the backend's all-reduce: each rank fills its own rows of a zero buffer."""
+        from accelerate.utils import recursively_apply
+
+        h = api.handle(self._shardcore_model())
+
+        def one(t: torch.Tensor) -> torch.Tensor:
+            row = t.detach().reshape(1) if t.dim() == 0 else t.detach()
+            if h.world_size == 1:
+                return row
+            # filled on the host: a device-side fill would differ by rank, and so would each lazy
+            # device's graph
+            buf = torch.zeros((h.world_size, *row.shape), dtype=row.dtype)
+            buf[h.rank] = row.cpu()
+            return h.backend.all_reduce_sum(buf).to(row.device).flatten(0, 1)
+
+        return recursively_apply(one, data, error_on_other_type=True)
+
+    def _shardcore_pad_across_processes(self, data: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False):
+        """accelerate's ``pad_across_processes`` with the sizes gathered by :meth:`_shardcore_gather`."""
+        from accelerate.utils import recursively_apply
+
+        def one(t: torch.Tensor) -> torch.Tensor:
+            if dim >= t.dim() or dim < -t.dim():
+                return t
+            d = dim % t.dim()
+            sizes = self._shardcore_gather(torch.tensor([t.shape[d]]))
+            longest = int(sizes.max())
+            if longest == t.shape[d]:
+                return t
+            shape = list(t.shape)
+            shape[d] = longest - t.shape[d]
+            pad = t.new_full(shape, pad_index)
+            return torch.cat([pad, t] if pad_first else [t, pad], dim=d)
+
+        return recursively_apply(one, data, error_on_other_type=True)
+
     def _clip_grad_norm(self, model):
         if self._shardcore_config is None:
             return super()._clip_grad_norm(model)
@@ -341,6 +489,13 @@ class ShardcoreTrainerMixin:
         if os.path.isfile(path):
             with warnings.catch_warnings(record=True):
                 self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        # transformers reads it inside torch.serialization.safe_globals(), which sets and then
+        # restores one process-wide allowlist: XLA FSDP's CPU device threads, each resuming, would
+        # restore each other's list away mid-read ("Unsupported global: numpy...", seen here)
+        with _RNG_LOAD_LOCK:
+            super()._load_rng_state(checkpoint)
 
     def _load_best_model(self) -> None:
         if self._shardcore_config is None:

@@ -69,13 +69,28 @@ def params(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
 
 
+def eval_dataset() -> list[dict[str, torch.Tensor]]:
+    return dataset()[:GLOBAL]
+
+
+def evaluated(trainer) -> dict[str, torch.Tensor]:
+    """The trained model's evaluation loss and predicted logits (``evaluate()``, ``predict()``)."""
+    metrics = trainer.evaluate(eval_dataset())
+    logits = torch.as_tensor(trainer.predict(eval_dataset()).predictions)
+    return {"eval_loss": torch.tensor(metrics["eval_loss"]), "logits": logits}
+
+
 def run_reference(out: str) -> None:
+    """The plain Trainer's final parameters in ``out``, its evaluation in ``out.eval.safetensors``."""
     from transformers import Trainer
 
-    args = training_args(out + ".ref", GLOBAL // ACCUM, use_cpu=True, save_strategy="no")
+    args = training_args(
+        out + ".ref", GLOBAL // ACCUM, use_cpu=True, save_strategy="no", per_device_eval_batch_size=GLOBAL
+    )
     trainer = Trainer(model=build_model("llama", 0), args=args, train_dataset=dataset())
     trainer.train()
     save_file(params(trainer.model), out)
+    save_file(evaluated(trainer), out + ".eval.safetensors")
 
 
 class Counter:
@@ -121,21 +136,25 @@ def sharded_run(root: Path, kind: str, counter: Counter, resume: str | None = No
         fsdp_config={**FSDP_CONFIG, "state_dict_type": kind},
         save_strategy="steps",
         save_steps=STEPS // 2,
+        per_device_eval_batch_size=GLOBAL // world,
     )
     trainer = Trainer(model=build_model("llama", 0), args=args, train_dataset=dataset(), callbacks=[CountPerStep()])
     trainer.train(resume_from_checkpoint=resume)
     units = sum(isinstance(m, FSDPModule) for m in trainer.model.modules())
+    evaluation = evaluated(trainer)
     final = out / "final"
     trainer.save_model(str(final))
     loaded = AutoModelForCausalLM.from_pretrained(final)  # the FULL export loads where Transformers does
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e and "train_loss" not in e]
     if dist.get_rank() == 0:
         save_file(params(loaded), str(out / "params.safetensors"))
+        save_file(evaluation, str(out / "eval.safetensors"))
     return {
         "units": units,
         "reduce_scatters_per_step": per_step,
         "losses": losses,
         "params": str(out / "params.safetensors"),
+        "eval": str(out / "eval.safetensors"),
     }
 
 

@@ -152,6 +152,10 @@ class XlaBackendBase(
         """The keys and shapes :meth:`full_state_dict` returns, without gathering anything."""
         return states.with_aliases(states.full_state_dict_shapes(model), self.tied_aliases(model), lambda s: s)
 
+    def original_names(self, model: nn.Module) -> dict[str, list[str]]:
+        layout = states.param_layout(model)
+        return {n: [orig for orig, _ in layout[id(p)]] for n, p in model.named_parameters()}
+
     def load_full_state_dict(self, model: nn.Module, state_dict: dict[str, Any]) -> None:
         """Put an unsharded state dict (read on rank 0 only) into the sharded model, each rank taking
         its shard the way the wrapper laid it out."""

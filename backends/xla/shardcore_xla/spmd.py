@@ -50,6 +50,16 @@ def shape(config: ShardConfig) -> tuple[int, int]:
     return data_parallel_shape(config, xr.global_runtime_device_count())
 
 
+def enable() -> None:
+    """This process's SPMD mode. Global to the process; torch_xla replicates the XLA tensors made
+    before it, and a program that already made some (the Trainer's ``TrainingArguments`` makes its
+    device when it is created) may crash in the first step: turn it on first."""
+    import torch_xla.runtime as xr
+
+    if not xr.is_spmd():
+        xr.use_spmd()
+
+
 def mesh(existing: Any = None, replicas: int = 1) -> Any:
     """The process's SPMD mode and its global mesh: every device on ``fsdp``, or, with ``replicas``
     > 1, ``("replicate", "fsdp")`` of shape (replicas, devices / replicas). ``existing`` if it is
@@ -58,8 +68,7 @@ def mesh(existing: Any = None, replicas: int = 1) -> Any:
     import torch_xla.distributed.spmd as xs
     import torch_xla.runtime as xr
 
-    if not xr.is_spmd():
-        xr.use_spmd()
+    enable()
     n = xr.global_runtime_device_count()
     dims, axes = ((n, 1), ("fsdp", "model")) if replicas == 1 else ((replicas, n // replicas), (REPLICATE, "fsdp"))
     if existing is not None and tuple(existing.mesh_shape) == dims and tuple(existing.axis_names) == axes:

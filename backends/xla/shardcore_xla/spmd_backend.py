@@ -83,5 +83,6 @@ class SpmdBackend(XlaBackendBase):
         return launching.spmd_launch_spec(world_size)
 
     def launch(self, fn: Callable[[], None], config: ShardConfig) -> None:
-        """``fn()`` once: this process drives every device."""
+        """``fn()`` once: this process drives every device, in SPMD mode from the start."""
+        spmd.enable()
         fn()

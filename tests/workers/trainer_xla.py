@@ -1,0 +1,144 @@
+"""The Hugging Face Trainer on shardcore's XLA backends, for tests/test_trainer.py.
+
+``python trainer_xla.py MODE OUT``, MODE ``fsdp`` (XLA FSDP: one Trainer per CPU device thread,
+started by ``shardcore.launch`` as ``xmp.spawn`` would) or ``spmd`` (one controller whose batch is
+the global one). The same runs as trainer_fsdp2.py's ``sharded`` mode: FULL and SHARDED configs
+trained straight through (saving a checkpoint at the middle step), then each resumed from its own
+middle checkpoint; each writes its final parameters (a FULL ``save_model`` loaded back with
+``from_pretrained``) and its ``evaluate()`` loss and ``predict()`` logits. Also counted: the
+reduce-scatters in each optimizer step's traced graph (XLA FSDP; under SPMD the partitioner inserts
+the collectives when it compiles, so the traced graph holds none).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch_xla  # noqa: F401  (initialise XLA before any CPU backward)
+from safetensors.torch import save_file
+from trainer_fsdp2 import ACCUM, FSDP_CONFIG, GLOBAL, STEPS, dataset, evaluated, params, training_args
+
+# here, not in the device threads: Transformers' lazy module loading is not thread-safe
+from transformers import AutoModelForCausalLM, LlamaForCausalLM, TrainerCallback  # noqa: F401
+
+import shardcore
+from shardcore.integrations.transformers import Trainer
+from shardcore_conformance.models import build_model
+from shardcore_conformance.xla_comm import hlo_collectives
+
+RESULTS: dict[str, dict] = {}
+_LOCK = threading.Lock()
+
+
+class CountReduceScatters(TrainerCallback):
+    """The reduce-scatters in the step's pending graph (every micro-batch's forward and backward),
+    read just before the optimizer step."""
+
+    def __init__(self, trainer_ref: list) -> None:
+        self.trainer_ref = trainer_ref
+        self.per_step: list[int] = []
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+
+        model = self.trainer_ref[0].model
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        hlo = torch_xla._XLAC._get_xla_tensors_hlo(grads)
+        self.per_step.append(hlo_collectives(hlo, int(os.environ["CPU_NUM_DEVICES"]))["reduce_scatter"]["count"])
+
+
+def sharded_run(mode: str, root: Path, kind: str, resume: str | None = None) -> dict:
+    spmd = mode == "spmd"
+    out = root / f"{kind}{'-resumed' if resume else ''}"
+    trainer_ref: list = []
+    counter = CountReduceScatters(trainer_ref)
+    world = 1 if spmd else int(os.environ["CPU_NUM_DEVICES"])
+    args = training_args(
+        str(out),
+        GLOBAL // ACCUM // world,
+        fsdp=True,
+        fsdp_config={**FSDP_CONFIG, "xla": True, "xla_fsdp_v2": spmd, "state_dict_type": kind},
+        save_strategy="steps",
+        save_steps=STEPS // 2,
+        per_device_eval_batch_size=GLOBAL // world,
+    )
+    trainer = Trainer(
+        model=build_model("llama", 0),
+        args=args,
+        train_dataset=dataset(),
+        callbacks=[counter],
+    )
+    trainer_ref.append(trainer)
+    trainer.train(resume_from_checkpoint=resume)
+    evaluation = evaluated(trainer)
+    final = out / "final"
+    trainer.save_model(str(final))
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e and "train_loss" not in e]
+    h = shardcore.handle(trainer.model)
+    if h.is_main_process:
+        loaded = AutoModelForCausalLM.from_pretrained(final)  # the FULL export loads where Transformers does
+        save_file(params(loaded), str(out / "params.safetensors"))
+        save_file(evaluation, str(out / "eval.safetensors"))
+    h.barrier()
+    return {
+        "reduce_scatters_per_step": counter.per_step,
+        "losses": losses,
+        "eval": str(out / "eval.safetensors"),
+        # XLA FSDP reduce-scatters each sharded parameter's gradient on its own
+        "sharded_params": sum(1 for _ in trainer.model.parameters()),
+        "world_size": trainer.args.world_size,
+        "params": str(out / "params.safetensors"),
+        "checkpoint_files": sorted(p.name for p in (out / f"checkpoint-{STEPS // 2}").iterdir()) if not resume else [],
+    }
+
+
+def device_main(mode: str, out: str) -> None:
+    root = Path(out).parent / mode
+    report = {}
+    for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+        report[kind] = sharded_run(mode, root, kind)
+        middle = root / kind / f"checkpoint-{STEPS // 2}"
+        report[kind + "-resumed"] = sharded_run(mode, root, kind, resume=str(middle))
+    import torch_xla.runtime as xr
+
+    with _LOCK:
+        RESULTS[str(0 if mode == "spmd" else xr.global_ordinal())] = report
+
+
+def refusals(out: str) -> None:
+    """What this Trainer refuses on XLA, each as (key, message): the fsdp2 backend where Transformers
+    sees torch_xla; SPMD where the runtime was not in SPMD mode before TrainingArguments; weight decay
+    on a model sharded (renamed) before the Trainer."""
+    got = {}
+
+    def attempt(name: str, fn) -> None:
+        try:
+            fn()
+            got[name] = None
+        except shardcore.ShardConfigError as e:
+            got[name] = [e.key, str(e)]
+
+    def trainer(model, **kw):
+        return Trainer(model=model, args=training_args(out + ".out", 2, **kw), train_dataset=dataset())
+
+    attempt("fsdp2", lambda: trainer(build_model("llama", 0), fsdp=True, fsdp_config=FSDP_CONFIG))
+    attempt("spmd", lambda: trainer(build_model("llama", 0), fsdp=True, fsdp_config={"xla": True, "xla_fsdp_v2": True}))
+
+    def presharded() -> None:
+        model = shardcore.shard(build_model("llama", 0), {**FSDP_CONFIG, "xla": True})
+        attempt("weight_decay", lambda: trainer(model).train())
+
+    shardcore.launch(presharded, {"xla": True})
+    json.dump(got, open(out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    mode, out = sys.argv[1], sys.argv[2]
+    if mode == "refusals":
+        refusals(out)
+        sys.exit(0)
+    shardcore.launch(device_main, {"xla": True, "xla_fsdp_v2": mode == "spmd"}, args=(mode, out))
+    json.dump(RESULTS["0"], open(out, "w"), indent=1)

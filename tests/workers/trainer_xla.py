@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM, TrainerCallback
 
 import shardcore
 from shardcore.integrations.transformers import Trainer
-from shardcore_conformance.models import build_model
+from shardcore_conformance.models import build_model, preload
 from shardcore_conformance.xla_comm import hlo_collectives
 
 RESULTS: dict[str, dict] = {}
@@ -137,6 +137,10 @@ def refusals(out: str) -> None:
 
 if __name__ == "__main__":
     mode, out = sys.argv[1], sys.argv[2]
+    # the plain Trainer's initial weights, built here once: device threads share one global RNG, and
+    # one thread's Trainer seeding it (set_seed) while another builds its model changed device 0's
+    # weights, which XLA FSDP gives every device (seen in one CI run: 9e-2 off the plain Trainer)
+    preload({("llama", 0): build_model("llama", 0).state_dict()})
     if mode == "refusals":
         refusals(out)
         sys.exit(0)

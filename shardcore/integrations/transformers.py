@@ -43,6 +43,7 @@ import torch
 import transformers
 from torch import nn
 from transformers.trainer_callback import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .. import api, loop
 from ..capabilities import RenamesParameters
@@ -54,9 +55,19 @@ from ..errors import ShardConfigError
 log = logging.getLogger(__name__)
 _RNG_LOAD_LOCK = threading.Lock()
 
+if transformers.utils.is_torch_xla_available():
+    # XLA FSDP on CPU runs its devices as threads of one process, each building its own
+    # TrainingArguments, which with fsdp set writes this variable. The first write of a variable
+    # reallocates the C environment array, and torch_xla's C++ in another device thread reading the
+    # environment at that moment read freed memory: a segfault in libc's getenv (seen once in about
+    # 20 XLA Trainer runs). Written here, where the import runs in one thread; unset and "false" mean
+    # the same to Transformers and accelerate.
+    os.environ.setdefault("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")
+
 #: the Trainer's own file names (transformers.trainer SCHEDULER_NAME, TRAINING_ARGS_NAME)
 SCHEDULER_NAME = "scheduler.pt"
 TRAINING_ARGS_NAME = "training_args.bin"
+TRAINER_STATE_NAME = "trainer_state.json"
 
 #: TrainingArguments that configure DistributedDataParallel, which this Trainer never uses: set, they
 #: would be silently ignored
@@ -459,10 +470,29 @@ class ShardcoreTrainerMixin:
         if self._shardcore_config is None:
             return super()._save_checkpoint(model, trial)
         self._shardcore_checkpoint = True
+        best = self.state.best_global_step
+        hide_best = best and self._shardcore_config.backend_name == "xla"
+        if hide_best:
+            # With a best checkpoint the Trainer waits for every rank with xm.rendezvous, whose
+            # unserialized sync and in-graph all_gather abort XLA FSDP's CPU device threads at a
+            # rendezvous (XLA's 10 s termination, seen here); save_model has already waited, with the
+            # backend's barrier. What the Trainer does after the wait is done here, before the state
+            # file is written: the best checkpoint is this one, or one an earlier save left.
+            run_dir = self._get_output_dir(trial=trial)
+            best_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")
+            if best == self.state.global_step or os.path.exists(best_dir):
+                self.state.best_model_checkpoint = best_dir
+            self.state.best_global_step = None
         try:
             super()._save_checkpoint(model, trial)
         finally:
             self._shardcore_checkpoint = False
+            if hide_best:
+                self.state.best_global_step = best
+        if hide_best and self.args.should_save:
+            # written by the Trainer while best_global_step was hidden
+            output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            self.state.save_to_json(os.path.join(output_dir, TRAINER_STATE_NAME))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if self._shardcore_config is None:

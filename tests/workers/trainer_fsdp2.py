@@ -80,14 +80,15 @@ def evaluated(trainer) -> dict[str, torch.Tensor]:
     return {"eval_loss": torch.tensor(metrics["eval_loss"]), "logits": logits}
 
 
-def run_reference(out: str) -> None:
-    """The plain Trainer's final parameters in ``out``, its evaluation in ``out.eval.safetensors``."""
+def run_reference(out: str, model: str = "llama") -> None:
+    """The plain Trainer's final parameters in ``out``, its evaluation in ``out.eval.safetensors``.
+    ``model`` is a conformance model name (``llama_lora``: a PEFT model)."""
     from transformers import Trainer
 
     args = training_args(
         out + ".ref", GLOBAL // ACCUM, use_cpu=True, save_strategy="no", per_device_eval_batch_size=GLOBAL
     )
-    trainer = Trainer(model=build_model("llama", 0), args=args, train_dataset=dataset())
+    trainer = Trainer(model=build_model(model, 0), args=args, train_dataset=dataset())
     trainer.train()
     save_file(params(trainer.model), out)
     save_file(evaluated(trainer), out + ".eval.safetensors")
@@ -232,4 +233,4 @@ def run_sft(out: str) -> None:
 
 
 if __name__ == "__main__":
-    {"reference": run_reference, "sharded": run_sharded, "sft": run_sft}[sys.argv[1]](sys.argv[2])
+    {"reference": run_reference, "sharded": run_sharded, "sft": run_sft}[sys.argv[1]](*sys.argv[2:])

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch_xla  # noqa: F401  (initialise XLA before any CPU backward)
 from safetensors.torch import save_file
-from trainer_fsdp2 import ACCUM, FSDP_CONFIG, GLOBAL, STEPS, dataset, evaluated, params, training_args
+from trainer_fsdp2 import ACCUM, FSDP_CONFIG, GLOBAL, STEPS, dataset, eval_dataset, evaluated, params, training_args
 
 # here, not in the device threads: Transformers' lazy module loading is not thread-safe
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, TrainerCallback  # noqa: F401
@@ -108,6 +108,76 @@ def device_main(mode: str, out: str) -> None:
         RESULTS[str(0 if mode == "spmd" else xr.global_ordinal())] = report
 
 
+def lora_main(mode: str, out: str) -> None:
+    """A PEFT model (the suite's llama_lora) handed to the Trainer: trained, then ``save_model`` writes
+    the adapter directory; device 0 loads it with PEFT onto a fresh base and writes the adapter's
+    weights."""
+    from peft import PeftModel
+
+    from shardcore_conformance.models import lora_base
+
+    spmd = mode == "spmd"
+    world = 1 if spmd else int(os.environ["CPU_NUM_DEVICES"])
+    root = Path(out).parent / f"lora-{mode}"
+    args = training_args(
+        str(root),
+        GLOBAL // ACCUM // world,
+        fsdp=True,
+        fsdp_config={**FSDP_CONFIG, "xla": True, "xla_fsdp_v2": spmd},
+        save_strategy="no",
+    )
+    trainer = Trainer(model=build_model("llama_lora", 0), args=args, train_dataset=dataset())
+    trainer.train()
+    trainer.save_model(str(root / "adapter"))
+    h = shardcore.handle(trainer.model)
+    if h.is_main_process:
+        loaded = PeftModel.from_pretrained(lora_base("llama"), str(root / "adapter"))
+        save_file({k: v for k, v in params(loaded).items() if "lora_" in k}, out + ".adapter.safetensors")
+        files = sorted(p.name for p in (root / "adapter").iterdir())
+        json.dump({"adapter_files": files, "adapter": out + ".adapter.safetensors"}, open(out, "w"))
+    h.barrier()
+
+
+def best_main(out: str) -> None:
+    """``load_best_model_at_end`` with an evaluation at each checkpoint, the best being the first
+    (``greater_is_better`` on the loss): the trained model ends with checkpoint-2's weights."""
+    from safetensors.torch import load_file
+
+    world = int(os.environ["CPU_NUM_DEVICES"])
+    root = Path(out).parent / "best"
+    args = training_args(
+        str(root),
+        GLOBAL // ACCUM // world,
+        fsdp=True,
+        fsdp_config={**FSDP_CONFIG, "xla": True},
+        save_strategy="steps",
+        save_steps=STEPS // 2,
+        eval_strategy="steps",
+        eval_steps=STEPS // 2,
+        per_device_eval_batch_size=GLOBAL // world,
+        load_best_model_at_end=True,
+        metric_for_best_model="loss",
+        greater_is_better=True,
+    )
+    trainer = Trainer(model=build_model("llama", 0), args=args, train_dataset=dataset(), eval_dataset=eval_dataset())
+    trainer.train()
+    h = shardcore.handle(trainer.model)
+    full = h.backend.full_state_dict(trainer.model)
+    if h.is_main_process:
+        best = load_file(str(root / f"checkpoint-{STEPS // 2}" / "model.safetensors"))
+        state = json.load(open(root / f"checkpoint-{STEPS}" / "trainer_state.json"))
+        json.dump(
+            {
+                "best_model_checkpoint": trainer.state.best_model_checkpoint,
+                "saved_best_global_step": state["best_global_step"],
+                "saved_best_model_checkpoint": state["best_model_checkpoint"],
+                "diff_to_best": max(float((full[k] - v).abs().max()) for k, v in best.items()),
+            },
+            open(out, "w"),
+        )
+    h.barrier()
+
+
 def refusals(out: str) -> None:
     """What this Trainer refuses on XLA, each as (key, message): the fsdp2 backend where Transformers
     sees torch_xla; SPMD where the runtime was not in SPMD mode before TrainingArguments; weight decay
@@ -143,6 +213,14 @@ if __name__ == "__main__":
     preload({("llama", 0): build_model("llama", 0).state_dict()})
     if mode == "refusals":
         refusals(out)
+        sys.exit(0)
+    if mode == "best":
+        shardcore.launch(best_main, {"xla": True}, args=(out,))
+        sys.exit(0)
+    if mode == "lora":
+        kind, out = sys.argv[2], sys.argv[3]
+        preload({("llama_lora", 0): build_model("llama_lora", 0).state_dict()})
+        shardcore.launch(lora_main, {"xla": True, "xla_fsdp_v2": kind == "spmd"}, args=(kind, out))
         sys.exit(0)
     shardcore.launch(device_main, {"xla": True, "xla_fsdp_v2": mode == "spmd"}, args=(mode, out))
     json.dump(RESULTS["0"], open(out, "w"), indent=1)

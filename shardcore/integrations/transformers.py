@@ -111,7 +111,7 @@ def _refuse_what_cannot_apply(trainer: Any) -> None:
                 "by shardcore never goes through. Remove it.",
             )
     optim = str(getattr(getattr(args, "optim", None), "value", getattr(args, "optim", "")))
-    if trainer._shardcore_config.backend_name == "xla" and optim == "adamw_torch_fused":
+    if trainer._shardcore_on_xla and optim == "adamw_torch_fused":
         # torch's fused AdamW has kernels for cpu, cuda and a few more, not for XLA tensors: the
         # first step would fail inside torch.optim. It is TrainingArguments' default from torch 2.8 on.
         raise ShardConfigError(
@@ -198,6 +198,11 @@ class ShardcoreTrainerMixin:
     #: the config the model is (or will be) sharded with; None: this is a plain Trainer
     _shardcore_config: ShardConfig | None = None
 
+    @property
+    def _shardcore_on_xla(self) -> bool:
+        """Sharded by one of shardcore's XLA backends (XLA FSDP or SPMD)."""
+        return self._shardcore_config is not None and self._shardcore_config.backend_name == "xla"
+
     # -- setup -----------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
         # The Trainer calls this from __init__ with self.model and self.args set, before anything
@@ -222,7 +227,7 @@ class ShardcoreTrainerMixin:
         # accelerate's no_sync looks for model.no_sync, which a sharded model does not have (FSDP2):
         # every micro-batch would reduce. This instance's accelerator only.
         self.accelerator.no_sync = _shardcore_no_sync
-        if self._shardcore_config.backend_name == "xla":
+        if self._shardcore_on_xla:
             # accelerate gathers with torch_xla's all_gather, a collective inside the lazy graph that
             # the next unserialized sync runs: on CPU device threads each thread would compile its own
             # module and their rendezvous never meet. shardcore's collectives meet every backend's ranks.
@@ -355,8 +360,7 @@ class ShardcoreTrainerMixin:
     # -- the step --------------------------------------------------------------------------------
     def _prepare_inputs(self, inputs):
         inputs = super()._prepare_inputs(inputs)
-        cfg = self._shardcore_config
-        if cfg is not None and cfg.backend_name == "xla" and cfg.xla_fsdp_v2 and isinstance(inputs, dict):
+        if self._shardcore_on_xla and self._shardcore_config.xla_fsdp_v2 and isinstance(inputs, dict):
             # one controller: its batch is the global one, sharded along the batch over the mesh
             # (the plain Trainer's FSDPv2 input_sharding)
             h = api.handle(self._shardcore_model())
@@ -366,8 +370,7 @@ class ShardcoreTrainerMixin:
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         out = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-        cfg = self._shardcore_config
-        if cfg is not None and cfg.backend_name == "xla":
+        if self._shardcore_on_xla:
             # the evaluation loop's own xm.mark_step() is not serialized across CPU device threads,
             # and this graph holds the forward's all-gathers: run it here, the backend's way
             api.handle(self.model).step_end()
@@ -471,7 +474,7 @@ class ShardcoreTrainerMixin:
             return super()._save_checkpoint(model, trial)
         self._shardcore_checkpoint = True
         best = self.state.best_global_step
-        hide_best = best and self._shardcore_config.backend_name == "xla"
+        hide_best = best and self._shardcore_on_xla
         if hide_best:
             # With a best checkpoint the Trainer waits for every rank with xm.rendezvous, whose
             # unserialized sync and in-graph all_gather abort XLA FSDP's CPU device threads at a

@@ -153,6 +153,51 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
+def test_accelerates_clear_environment_clears_for_its_own_thread_and_leaves_the_c_environment():
+    """What the Trainer wraps its Accelerator's creation in: accelerate's ``clear_environment`` (run by
+    the accumulation plugin's ``to_kwargs``) empties ``os.environ`` for the clearing thread only, never
+    unsets a variable of the C environment (whose array libc's getenv reads unlocked in other threads)
+    and undoes what it wrote inside; another thread's call gets accelerate's own; and the original is
+    back afterwards. ``to_kwargs`` gives what it gives upstream."""
+    import ctypes
+    import os
+    import threading
+
+    from accelerate.utils import GradientAccumulationPlugin, environment
+
+    from shardcore.integrations._environ import thread_scoped_clear_environment
+
+    libc = ctypes.CDLL(None)
+    libc.getenv.restype, libc.getenv.argtypes = ctypes.c_char_p, [ctypes.c_char_p]
+    original = environment.clear_environment
+    plugin = GradientAccumulationPlugin(num_steps=2, sync_with_dataloader=False)
+    upstream = plugin.to_kwargs()
+    array = ctypes.c_void_p.in_dll(libc, "environ").value
+    seen: dict = {}
+
+    def elsewhere() -> None:
+        seen["other thread"] = os.environ.get("PATH")
+        seen["other thread's clear"] = environment.clear_environment().func is original.__wrapped__
+
+    with thread_scoped_clear_environment():
+        assert plugin.to_kwargs() == upstream
+        with environment.clear_environment():
+            seen["inside"] = dict(os.environ)
+            seen["C inside"] = libc.getenv(b"PATH")
+            t = threading.Thread(target=elsewhere)
+            t.start()
+            t.join()
+            seen["array"] = ctypes.c_void_p.in_dll(libc, "environ").value
+            os.environ["SHARDCORE_WRITTEN_WHILE_CLEARED"] = "1"
+    assert seen["inside"] == {}
+    assert seen["C inside"] == os.environ["PATH"].encode() and seen["array"] == array
+    assert seen["other thread"] == os.environ["PATH"] and seen["other thread's clear"]
+    assert (
+        "SHARDCORE_WRITTEN_WHILE_CLEARED" not in os.environ and libc.getenv(b"SHARDCORE_WRITTEN_WHILE_CLEARED") is None
+    )
+    assert environment.clear_environment is original
+
+
 @pytest.fixture(scope="module")
 def plain_trainer(tmp_path_factory):
     """transformers.Trainer on one process: final parameters, evaluation loss and predicted logits."""
@@ -220,12 +265,15 @@ def test_xla_trainer_matches_the_plain_trainer_and_resumes(tmp_path, plain_train
     """The same on 2 CPU PJRT devices: XLA FSDP (a Trainer per device thread, started by
     shardcore.launch) and SPMD (one controller, its batch the global one). XLA FSDP reduce-scatters each
     sharded parameter once per optimizer step with 2 accumulation steps (counted in the step's traced
-    graph); SPMD's collectives are the partitioner's, inserted when it compiles."""
+    graph); SPMD's collectives are the partitioner's, inserted when it compiles. No thread adds or
+    removes an environment variable while the Trainers run: each moved the C environment under
+    another thread's getenv (XLA FSDP's process died in getenv, a CI failure with exit status -11)."""
     pytest.importorskip("torch_xla")
     report_path = tmp_path / "report.json"
     out = harness.python(harness.worker("trainer_xla"), mode, str(report_path), env=harness.xla_env(2), timeout=420)
     assert out.returncode == 0, harness.tail(out.stdout, out.stderr)
     report = json.loads(report_path.read_text())
+    assert report["environment_changes"] == [], report["environment_changes"][:20]
     _check_against_plain(report, plain_trainer, f"xla {mode}")
     for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
         run, resumed = report[kind], report[kind + "-resumed"]

@@ -21,7 +21,8 @@ writes a FULL checkpoint (``from_pretrained`` loads it, an adapter directory for
 
 On XLA the Trainer keeps its own XLA path where it still applies (accelerate's XLA state and device
 loader) and the backend replaces the rest; what is swapped for XLA FSDP's CPU device threads, and
-why, is in docs/trainer.md ("Backends").
+why, is in docs/trainer.md ("Backends"). While its Accelerator is created, accelerate's
+``clear_environment`` clears ``os.environ`` for the creating thread alone (_environ.py says why).
 
 Transformers is imported when this module is; the core never imports this module.
 """
@@ -51,18 +52,10 @@ from ..checkpoint import load as _sc_load
 from ..checkpoint import save as _sc_save
 from ..config import ShardConfig, parse_config
 from ..errors import ShardConfigError
+from ._environ import thread_scoped_clear_environment
 
 log = logging.getLogger(__name__)
 _RNG_LOAD_LOCK = threading.Lock()
-
-if transformers.utils.is_torch_xla_available():
-    # XLA FSDP on CPU runs its devices as threads of one process, each building its own
-    # TrainingArguments, which with fsdp set writes this variable. The first write of a variable
-    # reallocates the C environment array, and torch_xla's C++ in another device thread reading the
-    # environment at that moment read freed memory: a segfault in libc's getenv (seen once in about
-    # 20 XLA Trainer runs). Written here, where the import runs in one thread; unset and "false" mean
-    # the same to Transformers and accelerate.
-    os.environ.setdefault("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")
 
 #: the Trainer's own file names (transformers.trainer SCHEDULER_NAME, TRAINING_ARGS_NAME)
 SCHEDULER_NAME = "scheduler.pt"
@@ -213,7 +206,8 @@ class ShardcoreTrainerMixin:
         _check_xla_matches_transformers(self._shardcore_config)
         _check_spmd_started_first(self._shardcore_config)
         _refuse_what_cannot_apply(self)
-        super().create_accelerator_and_postprocess()
+        with thread_scoped_clear_environment():
+            super().create_accelerator_and_postprocess()
         if self.is_fsdp_enabled or self.is_deepspeed_enabled:
             # accelerate read its own FSDP/DeepSpeed settings from the environment (accelerate launch
             # with distributed_type FSDP/DEEPSPEED): it would wrap the model a second time

@@ -50,6 +50,53 @@ class CountReduceScatters(TrainerCallback):
         self.per_step.append(hlo_collectives(hlo, int(os.environ["CPU_NUM_DEVICES"]))["reduce_scatter"]["count"])
 
 
+class EnvironmentChanges:
+    """Variables added to or removed from the process's C environment while a device function runs,
+    by any thread (``os.environ`` writes through ``os.putenv`` / ``os.unsetenv``). Each moves the
+    C array that libc's ``getenv`` reads without a lock in the other threads (device threads,
+    device-loader threads, torch_xla's C++), which crashed the process in ``getenv``; overwriting a
+    value is safe."""
+
+    def __init__(self) -> None:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.getenv.restype, libc.getenv.argtypes = ctypes.c_char_p, [ctypes.c_char_p]
+        self.changes: list[str] = []
+        self.running = 0
+        putenv, unsetenv = os.putenv, os.unsetenv
+
+        def present(key) -> bool:
+            return libc.getenv(os.fsencode(key)) is not None
+
+        def _putenv(key, value):
+            if self.running and not present(key):
+                self.changes.append(f"{threading.current_thread().name} added {os.fsdecode(key)}")
+            putenv(key, value)
+
+        def _unsetenv(key):
+            if self.running and present(key):
+                self.changes.append(f"{threading.current_thread().name} removed {os.fsdecode(key)}")
+            unsetenv(key)
+
+        os.putenv, os.unsetenv = _putenv, _unsetenv
+
+    def watching(self, fn):
+        def run(*args):
+            with _LOCK:
+                self.running += 1
+            try:
+                fn(*args)
+            finally:
+                with _LOCK:
+                    self.running -= 1
+
+        return run
+
+
+ENV = EnvironmentChanges()
+
+
 def sharded_run(mode: str, root: Path, kind: str, resume: str | None = None) -> dict:
     spmd = mode == "spmd"
     out = root / f"{kind}{'-resumed' if resume else ''}"
@@ -222,5 +269,5 @@ if __name__ == "__main__":
         preload({("llama_lora", 0): build_model("llama_lora", 0).state_dict()})
         shardcore.launch(lora_main, {"xla": True, "xla_fsdp_v2": kind == "spmd"}, args=(kind, out))
         sys.exit(0)
-    shardcore.launch(device_main, {"xla": True, "xla_fsdp_v2": mode == "spmd"}, args=(mode, out))
-    json.dump(RESULTS["0"], open(out, "w"), indent=1)
+    shardcore.launch(ENV.watching(device_main), {"xla": True, "xla_fsdp_v2": mode == "spmd"}, args=(mode, out))
+    json.dump({**RESULTS["0"], "environment_changes": ENV.changes}, open(out, "w"), indent=1)

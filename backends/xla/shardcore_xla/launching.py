@@ -1,13 +1,17 @@
 """Starting the ranks of an XLA run (shardcore-conformance and :func:`shardcore.launch`): one process
 for every device under SPMD; under XLA FSDP one device per process (``xmp.spawn``) or, on CPU, one
 thread per device in the calling process, with the CPU recipe's environment (cpu.py) set before the
-runtime starts.
+runtime starts. Every launch holds the variables that upstream code toggles steady while it runs
+(:func:`steady_environment`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
+from collections.abc import Iterator
 from typing import Callable
 
 from shardcore.capabilities import LaunchSpec
@@ -54,11 +58,46 @@ def run_on_devices(fn: Callable[[int], None]) -> None:
                 # started by an earlier launch in this process (which may launch again), or by the
                 # user: either way it must have the recipe, or the devices deadlock
                 cpu.check(devices)
-            threads(_call_with_ordinal, (fn,))
+            with steady_environment():
+                threads(_call_with_ordinal, (fn,))
             return
     import torch_xla.distributed.xla_multiprocessing as xmp
 
     xmp.spawn(_call_with_ordinal, args=(fn,))
+
+
+#: variables upstream code sets and removes again inside a run, each with the value its setter writes
+#: or one its readers take as unset: torch_xla's ``jax_env_context`` around every device-loader batch,
+#: accelerate's ``is_cuda_available`` in each ``TrainingArguments`` and ``Accelerator``,
+#: ``TrainingArguments`` with ``fsdp`` set
+TOGGLED_ENV = {
+    "SKIP_MEGASCALE_PJRT_CLIENT": "true",
+    "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
+    "FSDP_CPU_RAM_EFFICIENT_LOADING": "false",
+}
+
+
+@contextlib.contextmanager
+def steady_environment() -> Iterator[None]:
+    """:data:`TOGGLED_ENV` set, where unset, while a run's threads (device threads, device-loader
+    threads) run; removed again once it is over, last set first (each is then the array's last entry,
+    and removing it moves no other).
+
+    The threads of a process share one C environment, which libc's ``getenv`` reads without a lock.
+    A ``setenv`` of a variable it lacks may move the array (``realloc``) and an ``unsetenv`` shifts
+    it, under a reader in another thread; torch's and torch_xla's C++ read variables while they
+    trace and run, and a reader of the freed array crashed the process in ``getenv``. With these set
+    already, the upstream writes overwrite a value in place, which ``getenv`` survives.
+    (accelerate's ``clear_environment``, which unsets and sets every variable, is the Trainer
+    integration's to replace.)"""
+    added = [k for k in TOGGLED_ENV if k not in os.environ]
+    for k in added:
+        os.environ[k] = TOGGLED_ENV[k]
+    try:
+        yield
+    finally:
+        for k in reversed(added):
+            os.environ.pop(k, None)
 
 
 def _thread_runner() -> Callable | None:
@@ -86,7 +125,12 @@ def _call_with_ordinal(index: int, fn: Callable[[int], None]) -> None:
     import torch_xla.runtime as xr
 
     try:
-        fn(xr.global_ordinal())
+        if threading.current_thread() is threading.main_thread():
+            # a process of xmp.spawn's (the device threads' group holds it already)
+            with steady_environment():
+                fn(xr.global_ordinal())
+        else:
+            fn(xr.global_ordinal())
     except BaseException as e:
         if not isinstance(e, DistributedSetupError) or not cpu.aborted():
             # the cause: xmp.spawn re-raises whichever thread's error it collects first, often

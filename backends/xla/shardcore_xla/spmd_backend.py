@@ -85,4 +85,5 @@ class SpmdBackend(XlaBackendBase):
     def launch(self, fn: Callable[[], None], config: ShardConfig) -> None:
         """``fn()`` once: this process drives every device, in SPMD mode from the start."""
         spmd.enable()
-        fn()
+        with launching.steady_environment():
+            fn()

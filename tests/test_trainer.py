@@ -341,7 +341,10 @@ def test_xla_where_transformers_does_not_see_torch_xla_is_refused(tmp_path, tiny
 def test_xla_trainer_refusals(tmp_path):
     """In a process where Transformers sees torch_xla: the fsdp2 backend (the Trainer would run on
     the XLA device), SPMD turned on after TrainingArguments made its device (it crashed in the first
-    step), and weight decay on a model an XLA backend sharded (renamed) before the Trainer."""
+    step), weight decay on a model an XLA backend sharded (renamed) before the Trainer, and, when the
+    Trainer is created, bf16 (the XLA backends take no mixed_precision) and the Trainer's own
+    activation checkpointing (torch.utils.checkpoint fails on an XLA device), with TRL's SFTConfig
+    defaults too."""
     pytest.importorskip("torch_xla")
     report = tmp_path / "refusals.json"
     out = harness.python(harness.worker("trainer_xla"), "refusals", str(report), env=harness.xla_env(1), timeout=300)
@@ -350,6 +353,12 @@ def test_xla_trainer_refusals(tmp_path):
     assert got["fsdp2"][0] == "xla" and "USE_TORCH_XLA=0" in got["fsdp2"][1], got
     assert got["spmd"][0] == "xla_fsdp_v2" and "shardcore.launch" in got["spmd"][1], got
     assert got["weight_decay"][0] == "weight_decay" and "rename" in got["weight_decay"][1], got
+    assert got["bf16"][0] == "bf16" and "bf16=False" in got["bf16"][1], got
+    assert got["activation_checkpointing"][0] == "activation_checkpointing", got
+    assert "xla_fsdp_grad_ckpt" in got["activation_checkpointing"][1], got
+    # TRL's SFTConfig turns both on by default: refused when the SFTTrainer is created, before its
+    # dataset preparation, naming the first
+    assert got["sft_defaults"][0] == "bf16", got
 
 
 @pytest.mark.multiprocess

@@ -85,6 +85,44 @@ def _shard_config_for(model: Any, args: Any) -> ShardConfig | None:
     return parse_config(args)
 
 
+def _check_the_backend_takes(config: ShardConfig, args: Any) -> Any:
+    """The backend ``config`` selects, checked to take every key set, when the Trainer is created
+    rather than when it first trains. A ``mixed_precision`` the backend refuses that came from the
+    Trainer's ``bf16``/``fp16`` flag is refused naming the flag, the key the script wrote."""
+    from ..backend import resolve_backend
+    from ..errors import UnsupportedKeyError
+
+    try:
+        return resolve_backend(config)
+    except UnsupportedKeyError as e:
+        fsdp_config = args.fsdp_config if isinstance(args.fsdp_config, dict) else {}
+        flag = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else None
+        if e.key != "mixed_precision" or flag is None or {"mixed_precision", "fsdp_mixed_precision"} & set(fsdp_config):
+            raise
+        raise ShardConfigError(
+            flag,
+            f"is True in TrainingArguments, which shardcore reads as mixed_precision={flag!r}, and the "
+            f"{config.backend_name!r} backend does not support mixed_precision. Set {flag}=False (TRL's "
+            "SFTConfig sets bf16=True by default) to train in the model's own dtype.",
+        ) from None
+
+
+def _refuse_trainer_checkpointing_on_xla(config: ShardConfig, args: Any) -> None:
+    """The Trainer's own activation checkpointing is ``torch.utils.checkpoint``, which on an XLA device
+    fails in the first forward (``module 'torch' has no attribute 'xla'``: it looks for a device
+    module that torch_xla does not register). The XLA backends checkpoint with torch_xla's own."""
+    if config.backend_name != "xla":
+        return
+    if getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False):
+        raise ShardConfigError(
+            "activation_checkpointing",
+            "(gradient_checkpointing) is True in TrainingArguments, which turns on torch.utils.checkpoint; on an "
+            "XLA device it fails in the first forward (module 'torch' has no attribute 'xla'). Set it to False "
+            "(TRL's SFTConfig sets gradient_checkpointing=True by default) and put xla_fsdp_grad_ckpt: true in "
+            "fsdp_config: the backend then checkpoints every unit with torch_xla's checkpoint_module.",
+        )
+
+
 def _refuse_what_cannot_apply(trainer: Any) -> None:
     """TrainingArguments and Trainer inputs that cannot mean here what they mean to the plain Trainer."""
     args = trainer.args
@@ -197,6 +235,20 @@ class ShardcoreTrainerMixin:
         return self._shardcore_config is not None and self._shardcore_config.backend_name == "xla"
 
     # -- setup -----------------------------------------------------------------------------------
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # What the config cannot do is refused before a subclass's own set-up runs (TRL's SFTTrainer
+        # prepares its dataset, across ranks, before Trainer.__init__), not in the first step.
+        model = kwargs["model"] if "model" in kwargs else (args[0] if args else None)
+        targs = kwargs["args"] if "args" in kwargs else (args[1] if len(args) > 1 else None)
+        config = _shard_config_for(model, targs) if targs is not None else None
+        if config is None:
+            return super().__init__(*args, **kwargs)
+        _check_xla_matches_transformers(config)
+        _check_spmd_started_first(config)
+        _check_the_backend_takes(config, targs)
+        _refuse_trainer_checkpointing_on_xla(config, targs)
+        super().__init__(*args, **kwargs)
+
     def create_accelerator_and_postprocess(self) -> None:
         # The Trainer calls this from __init__ with self.model and self.args set, before anything
         # reads the FSDP and XLA flags: the one point where the mode can be decided.

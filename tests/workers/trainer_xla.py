@@ -225,6 +225,22 @@ def best_main(out: str) -> None:
     h.barrier()
 
 
+def sft_with_defaults(out: str) -> None:
+    """TRL's SFTTrainer with the mixin and SFTConfig's defaults (bf16 and gradient checkpointing on)."""
+    from datasets import Dataset
+    from trainer_fsdp2 import tokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    from shardcore.integrations.transformers import ShardcoreTrainerMixin
+
+    class ShardcoreSFTTrainer(ShardcoreTrainerMixin, SFTTrainer):
+        pass
+
+    args = SFTConfig(output_dir=out + ".sft", report_to=[], optim="adamw_torch", fsdp=True, fsdp_config={"xla": True})
+    data = Dataset.from_dict({"input_ids": [[1, 2, 3, 4]] * 4})
+    ShardcoreSFTTrainer(model=build_model("llama", 0), args=args, train_dataset=data, processing_class=tokenizer())
+
+
 def refusals(out: str) -> None:
     """What this Trainer refuses on XLA, each as (key, message): the fsdp2 backend where Transformers
     sees torch_xla; SPMD where the runtime was not in SPMD mode before TrainingArguments; weight decay
@@ -243,6 +259,14 @@ def refusals(out: str) -> None:
 
     attempt("fsdp2", lambda: trainer(build_model("llama", 0), fsdp=True, fsdp_config=FSDP_CONFIG))
     attempt("spmd", lambda: trainer(build_model("llama", 0), fsdp=True, fsdp_config={"xla": True, "xla_fsdp_v2": True}))
+    # refused when the Trainer is created: the XLA backends take no mixed_precision, and the Trainer's
+    # torch.utils.checkpoint fails on an XLA device in the first forward
+    attempt("bf16", lambda: trainer(build_model("llama", 0), fsdp=True, fsdp_config={"xla": True}, bf16=True))
+    attempt(
+        "activation_checkpointing",
+        lambda: trainer(build_model("llama", 0), fsdp=True, fsdp_config={"xla": True}, gradient_checkpointing=True),
+    )
+    attempt("sft_defaults", lambda: sft_with_defaults(out))
 
     def presharded() -> None:
         model = shardcore.shard(build_model("llama", 0), {**FSDP_CONFIG, "xla": True})

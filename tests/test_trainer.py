@@ -377,6 +377,44 @@ def test_trl_sft_trainer_with_the_mixin_trains_a_lora_adapter(tmp_path):
     assert got["lora_b_max"] > 0, got
 
 
+@pytest.fixture(scope="module")
+def plain_sft(tmp_path_factory):
+    """TRL's own SFTTrainer on one process, in fp32: its loss log."""
+    pytest.importorskip("trl")
+    report = tmp_path_factory.mktemp("plain_sft") / "sft.json"
+    out = harness.python(harness.worker("trainer_fsdp2"), "sft-reference", str(report), timeout=300)
+    assert out.returncode == 0, harness.tail(out.stdout, out.stderr)
+    return json.loads(report.read_text())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", ["fsdp", "spmd"])
+def test_xla_trl_sft_trainer_with_the_mixin_trains_a_lora_adapter(tmp_path, plain_sft, mode):
+    """TRL's SFTTrainer + the mixin on 2 CPU PJRT devices: on XLA FSDP's device threads (its
+    constructor prepares the dataset main process first, and those waits go through the backend's
+    barrier) and under SPMD (whose output sharding takes TRL's fused-loss output). It trains, the
+    adapter loads with PEFT, and the first step's loss, taken before any update (LoRA's B starts at
+    zero, so it is the base model's), is the plain SFTTrainer's within the suite's loss tolerance.
+    Under SPMD (one controller, so PEFT draws LoRA's A as the plain run does) every step's is; on
+    device threads, which share one RNG, device 0's A is drawn between the other thread's draws."""
+    pytest.importorskip("torch_xla")
+    report = tmp_path / "sft.json"
+    out = harness.python(harness.worker("trainer_xla"), "sft", mode, str(report), env=harness.xla_env(2), timeout=300)
+    assert out.returncode == 0, harness.tail(out.stdout, out.stderr)
+    got = json.loads(report.read_text())
+    first = got["losses"][0]
+    print(
+        f"xla {mode} SFTTrainer: losses {got['losses']} (plain {plain_sft['losses']}), max |lora_B| {got['lora_b_max']:.3e}"
+    )
+    assert len(got["losses"]) == 4 and all(0 < x < 10 for x in got["losses"]), got
+    compared = got["losses"] if mode == "spmd" else [first]
+    for mine, theirs in zip(compared, plain_sft["losses"]):
+        assert abs(mine - theirs) <= LOSS_ATOL + LOSS_RTOL * abs(theirs), (got["losses"], plain_sft["losses"])
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(got["adapter_files"]), got
+    assert "model.safetensors" not in got["adapter_files"], got
+    assert got["lora_b_max"] > 1e-3, got
+
+
 EXAMPLE = harness.ROOT / "examples" / "trainer" / "train.py"
 
 

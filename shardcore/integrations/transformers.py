@@ -86,7 +86,7 @@ def _shard_config_for(model: Any, args: Any) -> ShardConfig | None:
 
 
 def _check_the_backend_takes(config: ShardConfig, args: Any) -> Any:
-    """The backend ``config`` selects, checked to take every key set, when the Trainer is created
+    """The backend ``config`` selects, checked to take every key set when the Trainer is created
     rather than when it first trains. A ``mixed_precision`` the backend refuses that came from the
     Trainer's ``bf16``/``fp16`` flag is refused naming the flag, the key the script wrote."""
     from ..backend import resolve_backend
@@ -105,6 +105,29 @@ def _check_the_backend_takes(config: ShardConfig, args: Any) -> Any:
             f"{config.backend_name!r} backend does not support mixed_precision. Set {flag}=False (TRL's "
             "SFTConfig sets bf16=True by default) to train in the model's own dtype.",
         ) from None
+
+
+@contextlib.contextmanager
+def _accelerate_waits_through(backend: Any, args: Any):
+    """On XLA, accelerate's ``wait_for_everyone`` in this thread (``PartialState``'s, which
+    ``main_process_first`` and ``Accelerator.wait_for_everyone`` call) is the backend's barrier while
+    the Trainer is created. accelerate waits with ``xm.rendezvous``, which on CPU device threads syncs
+    without the backend's serialization and gathers with a pinned layout: each thread compiled a
+    module of its own and the process aborted at an XLA rendezvous (TRL's SFTTrainer, whose
+    constructor prepares its dataset main process first). accelerate keeps its state per thread on
+    XLA, so only this thread's waits change, and only until the Trainer exists."""
+    if backend.name != "xla":
+        yield
+        return
+    from accelerate.state import PartialState
+
+    args.device  # noqa: B018  (sets up this thread's accelerate state from the arguments, as the Trainer would next)
+    state = PartialState()
+    state.wait_for_everyone = backend.barrier
+    try:
+        yield
+    finally:
+        state.__dict__.pop("wait_for_everyone", None)
 
 
 def _refuse_trainer_checkpointing_on_xla(config: ShardConfig, args: Any) -> None:
@@ -245,9 +268,10 @@ class ShardcoreTrainerMixin:
             return super().__init__(*args, **kwargs)
         _check_xla_matches_transformers(config)
         _check_spmd_started_first(config)
-        _check_the_backend_takes(config, targs)
+        backend = _check_the_backend_takes(config, targs)
         _refuse_trainer_checkpointing_on_xla(config, targs)
-        super().__init__(*args, **kwargs)
+        with _accelerate_waits_through(backend, targs):
+            super().__init__(*args, **kwargs)
 
     def create_accelerator_and_postprocess(self) -> None:
         # The Trainer calls this from __init__ with self.model and self.args set, before anything

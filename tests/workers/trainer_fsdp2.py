@@ -8,7 +8,8 @@ configs trained straight through (each saving a checkpoint at the middle step), 
 from its own middle checkpoint. Every run writes its final parameters (a FULL save_model, loaded
 back with from_pretrained) and the reduce-scatters counted per optimizer step.
 ``sft OUT``: TRL's SFTTrainer with ShardcoreTrainerMixin on the ranks, a LoRA adapter; writes the
-adapter's final weights (save_model) and the loss log.
+loss log and what PEFT loads from the adapter directory save_model wrote. ``sft-reference OUT``: the
+same with TRL's own SFTTrainer on one process, in fp32 (trainer_xla.py's ``sft`` compares with it).
 
 Both sides get the same initial weights (one seed), the same global batches in the same order
 (sequential sampler; accelerate deals each rank its consecutive per-device slice of them), AdamW with
@@ -185,11 +186,12 @@ def tokenizer():
     return tok
 
 
-def run_sft(out: str) -> None:
-    """TRL's SFTTrainer with the mixin, a LoRA adapter (peft_config), 2 FSDP2 ranks: it trains,
-    logs the mean loss, and save_model writes the adapter directory."""
+def sft_trainer(root: Path, world: int, fsdp_config: dict | None, plain: bool = False, **kw):
+    """TRL's SFTTrainer over the suite's rows with a LoRA ``peft_config``: with the mixin, sharded with
+    ``fsdp_config`` over ``world`` ranks (the global batch the same at every world size), or, with
+    ``plain``, TRL's own class on one process."""
     from datasets import Dataset
-    from peft import LoraConfig, PeftModel
+    from peft import LoraConfig
     from trl import SFTConfig, SFTTrainer
 
     from shardcore.integrations.transformers import ShardcoreTrainerMixin
@@ -197,12 +199,10 @@ def run_sft(out: str) -> None:
     class ShardcoreSFTTrainer(ShardcoreTrainerMixin, SFTTrainer):
         pass
 
-    root = Path(out).parent / "sft"
     ids = torch.randint(0, 97, (ROWS, SEQ), generator=torch.Generator().manual_seed(7))
-    data = Dataset.from_dict({"input_ids": ids.tolist()})
     args = SFTConfig(
         output_dir=str(root),
-        per_device_train_batch_size=2,
+        per_device_train_batch_size=GLOBAL // ACCUM // world,
         gradient_accumulation_steps=ACCUM,
         max_steps=STEPS,
         learning_rate=1e-2,
@@ -211,26 +211,57 @@ def run_sft(out: str) -> None:
         report_to=[],
         save_strategy="no",
         disable_tqdm=True,
-        use_cpu=True,
-        fsdp=True,
-        fsdp_config=FSDP_CONFIG,
+        **({"fsdp": True, "fsdp_config": fsdp_config} if fsdp_config is not None else {}),
+        **kw,
     )
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    trainer = ShardcoreSFTTrainer(
-        model=build_model("llama", 0), args=args, train_dataset=data, processing_class=tokenizer(), peft_config=lora
+    return (SFTTrainer if plain else ShardcoreSFTTrainer)(
+        model=build_model("llama", 0),
+        args=args,
+        train_dataset=Dataset.from_dict({"input_ids": ids.tolist()}),
+        processing_class=tokenizer(),
+        peft_config=lora,
     )
+
+
+def sft_report(trainer, adapter: Path) -> dict:
+    """What an SFT run is checked by: its logged losses, the files of its adapter directory, and the
+    largest LoRA B weight PEFT loads from it onto a fresh base (B starts at zero: nonzero is training)."""
+    from peft import PeftModel
+
+    loaded = PeftModel.from_pretrained(build_model("llama", 0), str(adapter))
+    return {
+        "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e and "train_loss" not in e],
+        "adapter_files": sorted(p.name for p in adapter.iterdir()),
+        "lora_b_max": max(float(p.abs().max()) for n, p in loaded.named_parameters() if "lora_B" in n),
+    }
+
+
+def run_sft(out: str) -> None:
+    """TRL's SFTTrainer with the mixin, a LoRA adapter (peft_config), 2 FSDP2 ranks, SFTConfig's
+    defaults (bf16, gradient checkpointing): it trains, logs the mean loss, and save_model writes the
+    adapter directory."""
+    from peft import PeftModel
+
+    root = Path(out).parent / "sft"
+    trainer = sft_trainer(root, int(os.environ["WORLD_SIZE"]), FSDP_CONFIG, use_cpu=True)
     assert isinstance(trainer.model, PeftModel), type(trainer.model)
     trainer.train()
     trainer.save_model(str(root / "adapter"))
-    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e and "train_loss" not in e]
     if dist.get_rank() == 0:
-        files = sorted(p.name for p in (root / "adapter").iterdir())
-        # PEFT loads the adapter back onto a fresh base; LoRA's B starts at zero, so nonzero B is training
-        loaded = PeftModel.from_pretrained(build_model("llama", 0), str(root / "adapter"))
-        lora_b = max(float(p.abs().max()) for n, p in loaded.named_parameters() if "lora_B" in n)
-        json.dump({"losses": losses, "adapter_files": files, "lora_b_max": lora_b}, open(out, "w"))
+        json.dump(sft_report(trainer, root / "adapter"), open(out, "w"))
     dist.barrier()
 
 
+def run_sft_reference(out: str) -> None:
+    """TRL's own SFTTrainer on one process, in fp32 (the XLA backends take no bf16)."""
+    root = Path(out).parent / "sft-reference"
+    trainer = sft_trainer(root, 1, None, plain=True, use_cpu=True, bf16=False)
+    trainer.train()
+    trainer.save_model(str(root / "adapter"))
+    json.dump(sft_report(trainer, root / "adapter"), open(out, "w"))
+
+
 if __name__ == "__main__":
-    {"reference": run_reference, "sharded": run_sharded, "sft": run_sft}[sys.argv[1]](*sys.argv[2:])
+    modes = {"reference": run_reference, "sharded": run_sharded, "sft": run_sft, "sft-reference": run_sft_reference}
+    modes[sys.argv[1]](*sys.argv[2:])

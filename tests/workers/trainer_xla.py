@@ -7,7 +7,9 @@ trained straight through (saving a checkpoint at the middle step), then each res
 middle checkpoint; each writes its final parameters (a FULL ``save_model`` loaded back with
 ``from_pretrained``) and its ``evaluate()`` loss and ``predict()`` logits. Also counted: the
 reduce-scatters in each optimizer step's traced graph (XLA FSDP; under SPMD the partitioner inserts
-the collectives when it compiles, so the traced graph holds none).
+the collectives when it compiles, so the traced graph holds none). Other modes: ``lora MODE OUT`` (a
+PEFT model through the Trainer), ``sft MODE OUT`` (TRL's SFTTrainer with the mixin), ``best OUT``
+(``load_best_model_at_end``), ``refusals OUT``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,19 @@ from pathlib import Path
 
 import torch_xla  # noqa: F401  (initialise XLA before any CPU backward)
 from safetensors.torch import save_file
-from trainer_fsdp2 import ACCUM, FSDP_CONFIG, GLOBAL, STEPS, dataset, eval_dataset, evaluated, params, training_args
+from trainer_fsdp2 import (
+    ACCUM,
+    FSDP_CONFIG,
+    GLOBAL,
+    STEPS,
+    dataset,
+    eval_dataset,
+    evaluated,
+    params,
+    sft_report,
+    sft_trainer,
+    training_args,
+)
 
 # here, not in the device threads: Transformers' lazy module loading is not thread-safe
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, TrainerCallback  # noqa: F401
@@ -225,6 +239,23 @@ def best_main(out: str) -> None:
     h.barrier()
 
 
+def sft_main(mode: str, out: str) -> None:
+    """TRL's SFTTrainer with the mixin and a LoRA peft_config (trainer_fsdp2.sft_trainer) on XLA FSDP's
+    device threads or under SPMD, in fp32 without the Trainer's checkpointing (SFTConfig's defaults are
+    refused on XLA); device 0 writes the loss log and what PEFT loads from the adapter."""
+    spmd = mode == "spmd"
+    root = Path(out).parent / f"sft-{mode}"
+    world = 1 if spmd else int(os.environ["CPU_NUM_DEVICES"])
+    config = {**FSDP_CONFIG, "xla": True, "xla_fsdp_v2": spmd}
+    trainer = sft_trainer(root, world, config, optim="adamw_torch", bf16=False, gradient_checkpointing=False)
+    trainer.train()
+    trainer.save_model(str(root / "adapter"))
+    h = shardcore.handle(trainer.model)
+    if h.is_main_process:
+        json.dump(sft_report(trainer, root / "adapter"), open(out, "w"))
+    h.barrier()
+
+
 def sft_with_defaults(out: str) -> None:
     """TRL's SFTTrainer with the mixin and SFTConfig's defaults (bf16 and gradient checkpointing on)."""
     from datasets import Dataset
@@ -287,6 +318,12 @@ if __name__ == "__main__":
         sys.exit(0)
     if mode == "best":
         shardcore.launch(best_main, {"xla": True}, args=(out,))
+        sys.exit(0)
+    if mode == "sft":
+        import trl  # noqa: F401  (here, not in the device threads: lazy module loading is not thread-safe)
+
+        kind, out = sys.argv[2], sys.argv[3]
+        shardcore.launch(sft_main, {"xla": True, "xla_fsdp_v2": kind == "spmd"}, args=(kind, out))
         sys.exit(0)
     if mode == "lora":
         kind, out = sys.argv[2], sys.argv[3]

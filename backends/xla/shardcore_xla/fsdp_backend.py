@@ -35,10 +35,21 @@ class XlaFsdpBackend(XlaBackendBase):
     def __init__(self) -> None:
         # on several CPU devices: the device threads of this process (cpu.py), once a model was validated
         self._threads: cpu.DeviceThreads | None = None
+        # the config shardcore.launch started the devices with (its timeout bounds an early barrier)
+        self._launched: ShardConfig | None = None
 
     @property
     def _ranks(self) -> Ranks:
         return Ranks(False, self._threads)
+
+    def barrier(self) -> None:
+        """Every rank, also before the first ``shard()`` (a Trainer subclass that prepares its data
+        main process first): on several CPU devices the device threads then meet in Python already,
+        where torch_xla's ``xm.rendezvous`` would compile a module per thread and abort the process at
+        an XLA rendezvous."""
+        if self._threads is None:
+            self._threads = fsdp.device_threads(self._launched or ShardConfig())
+        super().barrier()
 
     # -- validation (shard() runs it before apply) ---------------------------------------------------
     def validate(self, config: ShardConfig) -> None:
@@ -122,4 +133,5 @@ class XlaFsdpBackend(XlaBackendBase):
 
     def launch(self, fn: Callable[[], None], config: ShardConfig) -> None:
         """``fn()`` once per local device (launching.run_on_devices)."""
+        self._launched = config
         self.run_on_devices(functools.partial(launching.without_ordinal, fn))

@@ -14,6 +14,7 @@ torch_xla's ``extra_data_axis`` uses for its default output sharding; shardcore 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -115,7 +116,9 @@ def shard_batch(batch: dict[str, torch.Tensor], mesh: Any) -> dict[str, torch.Te
 def shard_output(output: Any, mesh: Any) -> None:
     """Shard a forward output along the batch like the inputs (:func:`batch_spec`), as the Trainer's
     FSDPv2 ``shard_output``: a tensor, the first element of a tuple, or a Hugging Face output's
-    ``logits``."""
+    ``logits`` (``last_hidden_state``); an output without those (TRL's ``FusedCausalLMOutput``, whose
+    loss is a scalar and whose per-token fields are ``(batch, sequence)``) by its first field of two
+    or more dims."""
     import torch_xla.distributed.spmd as xs
 
     real = None
@@ -127,10 +130,12 @@ def shard_output(output: Any, mesh: Any) -> None:
         real = output.logits
     elif hasattr(output, "last_hidden_state") and isinstance(output.last_hidden_state, torch.Tensor):
         real = output.last_hidden_state
+    elif isinstance(output, Mapping):
+        real = next((v for v in output.values() if isinstance(v, torch.Tensor) and v.dim() >= 2), None)
     if real is None:
         raise ShardcoreError(
             f"shardcore xla (xla_fsdp_v2): cannot find the tensor to shard in a {type(output).__name__} "
-            "output; return a tensor, a tuple starting with one, or an object with .logits."
+            "output; return a tensor, a tuple starting with one, or an object with .logits or a batched field."
         )
     xs.mark_sharding(real, mesh, batch_spec(mesh, real))
 

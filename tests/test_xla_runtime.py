@@ -134,6 +134,40 @@ def test_a_failed_device_thread_stops_the_others_even_in_a_later_group(monkeypat
     assert time.monotonic() - t0 < 5
 
 
+def test_the_toggled_variables_stay_set_until_the_last_holder_of_a_run_leaves(monkeypatch):
+    """launching.steady_environment: the device-thread group holds it, and each device function holds
+    it again (in an xmp.spawn process, whose device functions run in pool threads, that is the only
+    holder). Nested and concurrent holders share one setting: the variables appear once, stay while
+    any holder runs, and go when the last leaves; one set before is never removed."""
+    import os
+    import threading
+
+    from shardcore_xla import launching
+
+    for k in launching.TOGGLED_ENV:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "0")  # the user's own: kept, not overwritten
+    inside, go = threading.Event(), threading.Event()
+
+    def device() -> None:
+        with launching.steady_environment():
+            inside.set()
+            go.wait(10)
+
+    with launching.steady_environment():
+        t = threading.Thread(target=device)
+        t.start()
+        inside.wait(10)
+        with launching.steady_environment():
+            pass
+        assert os.environ["SKIP_MEGASCALE_PJRT_CLIENT"] == "true"  # the nested holder left; the others hold
+    assert os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] == "false"  # the device thread still holds it
+    go.set()
+    t.join(10)
+    assert "SKIP_MEGASCALE_PJRT_CLIENT" not in os.environ and "FSDP_CPU_RAM_EFFICIENT_LOADING" not in os.environ
+    assert os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] == "0"
+
+
 def test_conformance_models_are_identical_in_racing_threads():
     """Device threads share torch's global generator; what the harness does for them (build the
     weights before the threads start, preload them) gives every thread the same weights while

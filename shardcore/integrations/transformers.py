@@ -85,6 +85,15 @@ def _shard_config_for(model: Any, args: Any) -> ShardConfig | None:
     return parse_config(args)
 
 
+def _checked_config(model: Any, args: Any) -> ShardConfig | None:
+    """:func:`_shard_config_for`, with the checks of the config against this process's XLA state."""
+    config = _shard_config_for(model, args)
+    if config is not None:
+        _check_xla_matches_transformers(config)
+        _check_spmd_started_first(config)
+    return config
+
+
 def _check_the_backend_takes(config: ShardConfig, args: Any) -> Any:
     """The backend ``config`` selects, checked to take every key set when the Trainer is created
     rather than when it first trains. A ``mixed_precision`` the backend refuses that came from the
@@ -263,11 +272,9 @@ class ShardcoreTrainerMixin:
         # prepares its dataset, across ranks, before Trainer.__init__), not in the first step.
         model = kwargs["model"] if "model" in kwargs else (args[0] if args else None)
         targs = kwargs["args"] if "args" in kwargs else (args[1] if len(args) > 1 else None)
-        config = _shard_config_for(model, targs) if targs is not None else None
+        config = _checked_config(model, targs) if targs is not None else None
         if config is None:
             return super().__init__(*args, **kwargs)
-        _check_xla_matches_transformers(config)
-        _check_spmd_started_first(config)
         backend = _check_the_backend_takes(config, targs)
         _refuse_trainer_checkpointing_on_xla(config, targs)
         with _accelerate_waits_through(backend, targs):
@@ -276,11 +283,10 @@ class ShardcoreTrainerMixin:
     def create_accelerator_and_postprocess(self) -> None:
         # The Trainer calls this from __init__ with self.model and self.args set, before anything
         # reads the FSDP and XLA flags: the one point where the mode can be decided.
-        self._shardcore_config = _shard_config_for(self.model, self.args)
+        # (again: a subclass's set-up may have replaced the model since __init__ looked)
+        self._shardcore_config = _checked_config(self.model, self.args)
         if self._shardcore_config is None:
             return super().create_accelerator_and_postprocess()
-        _check_xla_matches_transformers(self._shardcore_config)
-        _check_spmd_started_first(self._shardcore_config)
         _refuse_what_cannot_apply(self)
         with thread_scoped_clear_environment():
             super().create_accelerator_and_postprocess()

@@ -77,11 +77,18 @@ TOGGLED_ENV = {
 }
 
 
+_STEADY_LOCK = threading.Lock()
+_steady_holders = 0
+_steady_added: list[str] = []
+
+
 @contextlib.contextmanager
 def steady_environment() -> Iterator[None]:
     """:data:`TOGGLED_ENV` set, where unset, while a run's threads (device threads, device-loader
-    threads) run; removed again once it is over, last set first (each is then the array's last entry,
-    and removing it moves no other).
+    threads) run; removed again when the last holder leaves, last set first (each is then the array's
+    last entry, and removing it moves no other). Nested and concurrent holders share one setting: the
+    device-thread group holds it before its threads start, and each device function holds it too,
+    which in an ``xmp.spawn`` process (whose device functions run in a pool thread) is the only holder.
 
     The threads of a process share one C environment, which libc's ``getenv`` reads without a lock.
     A ``setenv`` of a variable it lacks may move the array (``realloc``) and an ``unsetenv`` shifts
@@ -90,14 +97,21 @@ def steady_environment() -> Iterator[None]:
     already, the upstream writes overwrite a value in place, which ``getenv`` survives.
     (accelerate's ``clear_environment``, which unsets and sets every variable, is the Trainer
     integration's to replace.)"""
-    added = [k for k in TOGGLED_ENV if k not in os.environ]
-    for k in added:
-        os.environ[k] = TOGGLED_ENV[k]
+    global _steady_holders
+    with _STEADY_LOCK:
+        if _steady_holders == 0:
+            _steady_added[:] = [k for k in TOGGLED_ENV if k not in os.environ]
+            for k in _steady_added:
+                os.environ[k] = TOGGLED_ENV[k]
+        _steady_holders += 1
     try:
         yield
     finally:
-        for k in reversed(added):
-            os.environ.pop(k, None)
+        with _STEADY_LOCK:
+            _steady_holders -= 1
+            if _steady_holders == 0:
+                for k in reversed(_steady_added):
+                    os.environ.pop(k, None)
 
 
 def _thread_runner() -> Callable | None:
@@ -125,11 +139,7 @@ def _call_with_ordinal(index: int, fn: Callable[[int], None]) -> None:
     import torch_xla.runtime as xr
 
     try:
-        if threading.current_thread() is threading.main_thread():
-            # a process of xmp.spawn's (the device threads' group holds it already)
-            with steady_environment():
-                fn(xr.global_ordinal())
-        else:
+        with steady_environment():
             fn(xr.global_ordinal())
     except BaseException as e:
         if not isinstance(e, DistributedSetupError) or not cpu.aborted():

@@ -7,7 +7,7 @@ PYTHON ?= python3
 STAMP  := $(VENV)/.shardcore-installed
 DEPS   := requirements.txt pyproject.toml backends/fsdp2/pyproject.toml backends/xla/pyproject.toml conformance/pyproject.toml
 
-.PHONY: setup setup-newest demo lint format test test-pinned test-newest test-fast fuzz conformance conformance-xla clean
+.PHONY: setup setup-newest demo lint format test test-pinned test-pinned-suite test-newest test-fast profile-tests fuzz conformance conformance-xla clean
 
 setup: $(STAMP)
 
@@ -37,11 +37,36 @@ format: setup
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-# Both environments: the pinned one (torch 2.9.0 with torch_xla), then the newest torch.
-test: test-pinned test-newest
+# Both environments at once: the pinned one (torch 2.9.0 with torch_xla) on two pytest workers, and
+# the newest torch beside it, its output held in $(NEWEST_LOG) and shown once the pinned suite ends.
+# Most multi-process tests wait on rendezvous and start-ups more than they compute, so a third job
+# fills the cores' idle time (docs/measurements.md). Fails if either fails.
+NEWEST_LOG ?= .test-newest.log
 
-test-pinned: lint
-	$(PY) -m pytest -q -rs --durations=25 tests
+test: lint
+	@newest=0; pinned=0; \
+	$(MAKE) --no-print-directory test-newest > $(NEWEST_LOG) 2>&1 & newest_pid=$$!; \
+	$(MAKE) --no-print-directory test-pinned-suite || pinned=$$?; \
+	wait $$newest_pid || newest=$$?; \
+	echo "======== the newest torch (make test-newest, run beside the pinned suite; exit $$newest) ========"; \
+	cat $(NEWEST_LOG); \
+	test $$pinned -eq 0 && test $$newest -eq 0
+
+# Two workers (pytest-xdist). tests/scheduling.py keeps the tests of one module-scoped fixture on one
+# worker and starts the longest first.
+PYTEST_WORKERS ?= 2
+test-pinned: lint test-pinned-suite
+
+test-pinned-suite: setup
+	$(PY) -m pytest -q -rs --durations=25 -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests
+
+# Where the suite's time goes, serially so that each test's CPU is its own (tests/profile_tests.py):
+# the top tests and files by CPU-seconds, every row in profile.json, and each test's wall time in
+# tests/costs.json (the order the suite runs in). TESTS narrows it; the costs of the others stay.
+TESTS ?= tests
+profile-tests: setup
+	SHARDCORE_PROFILE=profile.json SHARDCORE_COSTS=tests/costs.json PYTHONPATH=tests \
+	  $(PY) -m pytest -q -rs -p no:xdist -p profile_tests $(TESTS)
 
 # The newest torch this machine installs, beside the pinned one (torch_xla 2.9 needs torch 2.9.0, so
 # this venv has no XLA backend): the core and FSDP2 tests that start no process, and the FSDP2

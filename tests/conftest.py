@@ -15,7 +15,7 @@ import pytest
 import harness
 
 # pytester: test_process_guard.py runs pytest on small test files to check the guard itself
-pytest_plugins = ["pytester", "process_guard"]
+pytest_plugins = ["pytester", "process_guard", "scheduling"]
 
 # Transformers imports torch_xla whenever it is installed; tests that want XLA run it in their own
 # processes, so the test process itself stays plain PyTorch.
@@ -27,6 +27,11 @@ os.environ.setdefault("USE_TORCH_XLA", "0")
 # only the machine code differs, as it does between CPUs, which the tolerances already cover
 # (docs/numerics.md). `make conformance-xla` and users' runs keep XLA's default.
 os.environ["XLA_FLAGS"] = harness.xla_flags(os.environ.get("XLA_FLAGS", ""))
+
+# Inductor compiles in the compiling process. With 2 or more cores it would start a pool of compile
+# workers in each process that compiles, a fresh interpreter importing torch (some 3 s of CPU) to
+# compile a few tiny kernels; the kernels it writes are the same either way.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -71,13 +71,21 @@ def worker(name: str) -> Path:
 
 
 def run(
-    cmd: list[str], *, env: dict[str, str] | None = None, timeout: float = 300, cwd: Path = ROOT, merge: bool = False
+    cmd: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+    cwd: Path = ROOT,
+    merge: bool = False,
+    fresh: bool = False,
 ) -> subprocess.CompletedProcess:
     """Run ``cmd`` to the end in its own process group; ``merge`` sends stderr into stdout. Past
-    ``timeout`` seconds the group is killed and the test fails (a hang). A Python program on XLA
-    devices is a fork of a zygote that imported torch_xla in the same environment (:func:`forked`)."""
+    ``timeout`` seconds the group is killed and the test fails (a hang). A Python program or one of
+    shardcore's CLIs is a fork of a zygote that imported torch, Transformers and shardcore (and
+    torch_xla where ``env`` asks for XLA) in the same environment (:func:`forked`); ``fresh`` starts
+    a new interpreter instead, for a test of what one imports."""
     env = clean_env() if env is None else env
-    if forked(cmd, env):
+    if not fresh and forked(cmd, env):
         proc, out, err = _start_forked(cmd, env, cwd, merge)
     else:
         proc = subprocess.Popen(
@@ -100,25 +108,32 @@ def run(
     return subprocess.CompletedProcess([str(c) for c in cmd], proc.wait(), stdout, stderr)
 
 
-def forked(cmd: list, env: dict[str, str]) -> bool:
-    """Whether ``cmd`` runs as a zygote's fork: ``python script.py ...`` on XLA devices, where
-    importing torch_xla is most of a short program's time (6 to 8 s of CPU here). Others start
-    fresh: FSDP2 programs are torchrun's, and a test of what a fresh interpreter imports
-    (workers/core_imports.py) must get one."""
-    return (
-        "PJRT_DEVICE" in env
-        and len(cmd) >= 2
-        and str(cmd[0]) == sys.executable
-        and str(cmd[1]).endswith(".py")
-        and Path(cmd[1]).is_file()
-    )
+#: this environment's console scripts that the harness runs as a zygote's forks (each is a Python file)
+CONSOLE_SCRIPTS = ("shardcore", "shardcore-conformance")
+
+
+def forked(cmd: list, env: dict[str, str]) -> list[str] | None:
+    """The argv a zygote's fork runs for ``cmd``, or None where ``cmd`` starts fresh:
+    ``python script.py ...`` and shardcore's CLIs fork, since importing torch and Transformers (and
+    torch_xla) is most of a short program's time (5 to 8 s of CPU here), and a CLI's CPU workers are
+    forks of the same zygote (:func:`shardcore_conformance.zygote.parent`). ``torchrun`` and
+    ``accelerate launch`` start fresh: their launch is what those tests are about."""
+    if len(cmd) >= 2 and str(cmd[0]) == sys.executable and str(cmd[1]).endswith(".py") and Path(cmd[1]).is_file():
+        return [str(c) for c in cmd[1:]]
+    if cmd and Path(cmd[0]).parent == BIN and Path(cmd[0]).name in CONSOLE_SCRIPTS:
+        return [str(c) for c in cmd]
+    return None
 
 
 def _start_forked(cmd, env, cwd, merge):
     out_r, out_w = os.pipe()
     err_r, err_w = (None, None) if merge else os.pipe()
     try:
-        proc = zygote.shared().get(env).start(cmd[1:], env=env, cwd=cwd, stdout=out_w, stderr=out_w if merge else err_w)
+        proc = (
+            zygote.shared()
+            .get(env)
+            .start(forked(cmd, env), env=env, cwd=cwd, stdout=out_w, stderr=out_w if merge else err_w)
+        )
     finally:
         os.close(out_w)
         if err_w is not None:

@@ -81,7 +81,7 @@ def test_incomplete_launcher_environment():
 def test_efficient_loading_refuses_a_model_rank0_cannot_fill_before_sharding(tmp_path, mode, fragment):
     """Validated once, before apply: every rank gets the same ShardConfigError, no rank hangs in a
     collective of apply, and no rank's model is touched."""
-    out = harness.torchrun(2, harness.worker("efficient_mismatch"), mode, str(tmp_path), timeout=300)
+    out = harness.ranks(2, harness.worker("efficient_mismatch"), mode, str(tmp_path), timeout=300)
     assert out.returncode == 0, harness.tail(out.stdout, out.stderr)
     rows = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("rank*.json"))]
     assert sorted(r["rank"] for r in rows) == [0, 1], out.stdout

@@ -4,7 +4,6 @@ run, --fit, and the errors for bad input."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,8 @@ import shardcore
 from shardcore.cli import main
 from shardcore.errors import ShardcoreError
 from shardcore.planning import fit, parse_bytes, predict
+
+import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "bench" / "plan_models"
@@ -214,12 +215,15 @@ def test_predicted_peaks_are_within_10_percent_of_real_runs(tmp_path):
     the profiler's record of CPU allocations. Tolerance: +-10% (the issue's), for the steady and the
     first step."""
     out = tmp_path / "acc.json"
-    subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "plan_accuracy.py"), "--out", str(out)]
-        + ["--only", "llama-ws2-ac,gpt2-ws2,llama-ws4-hsdp2x2"],
-        check=True,
+    run = harness.python(
+        ROOT / "bench" / "plan_accuracy.py",
+        "--out",
+        str(out),
+        "--only",
+        "llama-ws2-ac,gpt2-ws2,llama-ws4-hsdp2x2",
         timeout=900,
     )
+    assert run.returncode == 0, harness.tail(run.stdout, run.stderr)
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 3
     for r in rows:

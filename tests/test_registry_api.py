@@ -28,7 +28,7 @@ def test_fsdp2_is_registered_by_entry_point():
 # a fresh interpreter is the honest check: this process has imported every backend already
 @pytest.mark.multiprocess
 def test_core_never_imports_backends_by_name():
-    out = harness.python(harness.worker("core_imports"), timeout=120)
+    out = harness.python(harness.worker("core_imports"), timeout=120, fresh=True)
     assert out.returncode == 0, harness.tail(out.stdout, out.stderr)
     assert out.stdout.strip() == "[]"
 

@@ -247,7 +247,7 @@ def test_fsdp2_trainer_matches_the_plain_trainer_and_resumes(tmp_path, plain_tra
     checkpoint, FULL and SHARDED, the parameters are the uninterrupted run's."""
     worker = harness.worker("trainer_fsdp2")
     report_path = tmp_path / "report.json"
-    out = harness.torchrun(2, worker, "sharded", str(report_path), timeout=420)
+    out = harness.ranks(2, worker, "sharded", str(report_path), timeout=420)
     assert out.returncode == 0, harness.tail(out.stdout, out.stderr)
     report = json.loads(report_path.read_text())
     _check_against_plain(report, plain_trainer, "fsdp2")
@@ -367,7 +367,7 @@ def test_trl_sft_trainer_with_the_mixin_trains_a_lora_adapter(tmp_path):
     save_model writes the adapter directory PEFT loads."""
     pytest.importorskip("trl")
     report = tmp_path / "sft.json"
-    out = harness.torchrun(2, harness.worker("trainer_fsdp2"), "sft", str(report), timeout=300)
+    out = harness.ranks(2, harness.worker("trainer_fsdp2"), "sft", str(report), timeout=300)
     assert out.returncode == 0, harness.tail(out.stdout, out.stderr)
     got = json.loads(report.read_text())
     print(f"SFTTrainer: losses {got['losses']}, max |lora_B| {got['lora_b_max']:.3e}")

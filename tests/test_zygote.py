@@ -36,6 +36,25 @@ if __name__ == "__main__":
         if os.environ["RANK"] == "1":
             sys.exit(3)
         what = "sleep"
+    if what == "nested":  # a fork starts a program of its own environment: a fork of the same zygote
+        from shardcore_conformance import zygote
+        from shardcore_conformance.launch import worker_start_method
+        r, w = os.pipe()
+        z = zygote.shared().get(dict(os.environ))
+        child = z.start([__file__, "report", "0"], env=dict(os.environ), cwd=os.getcwd(), stdout=w, stderr=2)
+        os.close(w)
+        report = json.loads(os.fdopen(r).readline())
+        print(json.dumps({
+            "zygote": os.getppid(), "child_zygote": report["zygote"], "status": child.wait(60),
+            "workers": worker_start_method("fsdp2", False, {}),
+        }))
+        sys.exit(0)
+    if what == "orphan":  # a fork that dies leaves a sleeping fork of its own behind
+        from shardcore_conformance import zygote
+        z = zygote.shared().get(dict(os.environ))
+        child = z.start([__file__, "sleep"], env=dict(os.environ), cwd=os.getcwd(), stdout=1, stderr=2)
+        print(json.dumps({"child": child.pid}), flush=True)
+        os._exit(0)
     if what == "sleep":
         import time
         time.sleep(600)
@@ -94,6 +113,39 @@ def test_a_forked_program_can_spawn_processes(program):
 def test_a_forked_program_past_its_deadline_is_killed(program):
     with pytest.raises(pytest.fail.Exception, match="did not finish within 3s"):
         harness.run([sys.executable, program, "sleep"], env=env(), timeout=3)
+
+
+def test_a_fork_starts_programs_and_cpu_workers_as_forks_of_its_own_zygote(program):
+    """A CLI the harness forks (``shardcore-conformance``) starts its CPU workers as forks of the same
+    zygote, not through a fork server that would import everything again."""
+    plain = harness.clean_env(ZYGOTE_TEST="yes")
+    r = harness.run([sys.executable, program, "nested"], env=plain, timeout=120)
+    assert r.returncode == 0, harness.tail(r.stdout, r.stderr)
+    got = json.loads(r.stdout.splitlines()[0])
+    assert got["child_zygote"] == got["zygote"] and got["status"] == 0, got
+    assert got["workers"] == "zygote", got
+
+
+def test_a_forks_own_forks_die_with_it(program):
+    """What a fork started and left running is killed once that fork is gone: a CLI killed at the
+    harness's deadline takes its workers with it, though they are the zygote's children."""
+    import time
+
+    import psutil
+
+    r = harness.run([sys.executable, program, "orphan"], env=harness.clean_env(ZYGOTE_TEST="yes"), timeout=120)
+    assert r.returncode == 0, harness.tail(r.stdout, r.stderr)
+    pid = json.loads(r.stdout.splitlines()[0])["child"]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the orphaned fork {pid} still runs 30 s after the fork that started it exited")
 
 
 @pytest.mark.xla

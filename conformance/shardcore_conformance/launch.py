@@ -71,14 +71,31 @@ def worker_start_method(backend: str | None, per_device: bool, env: dict[str, st
       so the fork server, which imported Transformers without XLA, cannot serve them);
     * ``spawn`` (a fresh interpreter): other XLA devices, a machine with CUDA (forking around a CUDA
       context is unsafe), and a launch whose environment changes a variable outside
-      ``_FORK_SAFE_ENV`` from the fork server's."""
-    global _server_env
+      ``_FORK_SAFE_ENV`` from the fork server's.
+
+    A runner that is itself a zygote's fork (the CLI under the test suite) starts CPU workers of the
+    zygote's environment as the zygote's forks too, where that zygote imported Transformers in
+    plain-PyTorch mode as the fork server does: no fork server to import everything again."""
     if torch.cuda.is_available():
         return "spawn"
     if backend is not None and "xla" in backend:
         return "zygote" if env.get("PJRT_DEVICE") == "CPU" else "spawn"
     if per_device:
         return "spawn"
+    from .zygote import import_env, parent
+
+    worker_env = _worker_env(env)
+    if parent() is not None and not worker_env.get("PJRT_DEVICE") and import_env(worker_env) in parent().serves:
+        return "zygote"
+    return cpu_fork_method(env)
+
+
+def cpu_fork_method(env: dict[str, str]) -> str:
+    """``forkserver`` for CPU processes that run in this process's environment with ``env`` on top,
+    from a fork server that imported :data:`_PRELOAD` once (started on first use); ``spawn`` where
+    ``env`` changes a variable outside ``_FORK_SAFE_ENV`` from the server's. The child must apply
+    ``env`` itself: a fork server's children inherit the server's environment, not the caller's."""
+    global _server_env
     import multiprocessing.forkserver as forkserver
 
     if _server_env is None:
@@ -98,12 +115,18 @@ def worker_start_method(backend: str | None, per_device: bool, env: dict[str, st
     return "spawn" if changed else "forkserver"
 
 
+def _worker_env(env: dict[str, str]) -> dict[str, str]:
+    """What a zygote for the workers must serve: this process's environment with ``env`` on top, but
+    for the variables no import reads, which ``_worker`` sets itself."""
+    return {**os.environ, **{k: v for k, v in env.items() if k not in _FORK_SAFE_ENV}}
+
+
 def _start_forked(nprocs: int, args: tuple, env: dict[str, str], scratch: Path) -> "_ForkedWorkers":
     """``nprocs`` workers as forks of the zygote for this process's environment with ``env`` on top,
     and with this process's ``sys.path`` (a backend named by ``module:Class`` is found as with spawn)."""
     from .zygote import shared
 
-    worker_env = {**os.environ, **env}
+    worker_env = _worker_env(env)
     spec = scratch / "worker-args.json"
     spec.write_text(json.dumps(list(args)))
     program = Path(__file__).with_name("_zygote_worker.py")

@@ -60,6 +60,7 @@ PRELOAD_XLA = (
 )
 _HEADER = struct.Struct("!I")
 _INT = struct.Struct("!i")  # a pid or an exit status
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 #: read when a run starts, never at import: pytest's per-test variable and torchrun's rank variables
@@ -117,8 +118,14 @@ class ZygoteProcess:
 class Zygote:
     """One zygote process serving programs in ``env``."""
 
+    #: zygotes this process started, each an interpreter's imports (the test profile counts them)
+    started = 0
+
     def __init__(self, env: dict[str, str], preload: tuple[str, ...]):
+        Zygote.started += 1
         self.env = dict(env)
+        self.serves = [import_env(env)]
+        self._owned = True
         self._dir = tempfile.mkdtemp(prefix="shardcore-zygote-")
         self.address = str(Path(self._dir) / "socket")
         self.proc = subprocess.Popen(
@@ -128,8 +135,20 @@ class Zygote:
             start_new_session=True,
         )
 
+    @classmethod
+    def attached(cls, address: str, env: dict[str, str], imported_env: dict[str, str]) -> "Zygote":
+        """The zygote a fork runs under, serving programs of its environment to that fork in turn: a
+        CLI the tests fork starts its workers as the zygote's forks too, not as fresh interpreters.
+        ``env`` is what it was started in and ``imported_env`` what its imports left (torch_xla adds
+        to ``XLA_FLAGS``), which the fork inherits and passes on: a fresh interpreter started in
+        either ends with the same. It is the starter's to close, not the fork's."""
+        z = cls.__new__(cls)
+        z.env, z.address, z.proc, z._owned, z._dir = dict(env), address, None, False, None
+        z.serves = [import_env(env), import_env(imported_env)]
+        return z
+
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return self.proc.poll() is None if self._owned else os.path.exists(self.address)
 
     def start(
         self,
@@ -145,7 +164,7 @@ class Zygote:
         zygote's), with these file descriptors as its stdout and stderr (stdin is /dev/null).
         ``path`` replaces ``sys.path``, as ``multiprocessing``'s spawn gives a child its parent's;
         by default ``sys.path[0]`` is the script's directory, as for ``python script``."""
-        if import_env(env) != import_env(self.env):
+        if import_env(env) not in self.serves:
             raise ValueError("a zygote forks only programs whose imports see its own environment")
         conn = self._connect()
         request = {"argv": [str(a) for a in argv], "cwd": str(cwd), "env": env, "path": path}
@@ -155,7 +174,8 @@ class Zygote:
         pid = _recv_exact(conn, _INT.size)
         if pid is None:
             conn.close()
-            raise RuntimeError(f"the zygote for {argv[0]} died before forking it (exit status {self.proc.poll()})")
+            status = self.proc.poll() if self._owned else "unknown"
+            raise RuntimeError(f"the zygote for {argv[0]} died before forking it (exit status {status})")
         return ZygoteProcess(_INT.unpack(pid)[0], conn, [sys.executable, *map(str, argv)])
 
     def _connect(self) -> socket.socket:
@@ -169,14 +189,15 @@ class Zygote:
             except (FileNotFoundError, ConnectionRefusedError):
                 conn.close()
                 if not self.alive():
-                    raise RuntimeError(
-                        f"the zygote exited with status {self.proc.returncode} while importing"
-                    ) from None
+                    status = self.proc.returncode if self._owned else "unknown"
+                    raise RuntimeError(f"the zygote exited with status {status} while importing") from None
                 if time.monotonic() > deadline:
                     raise RuntimeError("the zygote did not listen within 300 s") from None
                 time.sleep(0.05)
 
     def close(self) -> None:
+        if not self._owned:
+            return
         if self.alive():
             self.proc.kill()
         self.proc.wait()
@@ -198,6 +219,9 @@ class Zygotes:
         self._lock = threading.Lock()
 
     def get(self, env: dict[str, str]) -> Zygote:
+        """The zygote for ``env``: the one this process was forked from where it serves ``env``."""
+        if _parent is not None and import_env(env) in _parent.serves:
+            return _parent
         key = tuple(sorted(import_env(env).items()))
         with self._lock:
             z = self._zygotes.pop(key, None)
@@ -233,6 +257,13 @@ def join_group(procs: list[ZygoteProcess], timeout: float) -> tuple[int, int] | 
 
 
 _shared: Zygotes | None = None
+#: the zygote this process is a fork of (set in the fork), None in a fresh interpreter
+_parent: Zygote | None = None
+
+
+def parent() -> Zygote | None:
+    """The zygote this process was forked from, which serves programs of its environment."""
+    return _parent
 
 
 def shared() -> Zygotes:
@@ -258,21 +289,35 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
 
 
 def _serve(address: str, client_pid: int, preload: list[str]) -> None:
+    started_env = import_env(dict(os.environ))  # what a client asked for, before imports add to it
     for name in preload:
         importlib.import_module(name)
+    imported_env = import_env(dict(os.environ))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(address + ".tmp")
     listener.listen(16)
     os.rename(address + ".tmp", address)  # clients connect only once it listens
     waiting: dict[int, socket.socket] = {}  # child pid -> its client's connection
+    requester: dict[int, int] = {}  # child pid -> the pid that asked for it
     while True:
         ready, _, _ = select.select([listener], [], [], 0.2)
         if ready:
             conn, _ = listener.accept()
-            pid = _fork_child(conn, listener)
+            peer = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[0]
+            pid = _fork_child(conn, listener, (address, started_env, imported_env))
             conn.sendall(_INT.pack(pid))
             waiting[pid] = conn
+            requester[pid] = peer
         _reap(waiting)
+        for pid in [p for p in waiting if requester[p] != client_pid and not _alive(requester[p])]:
+            # a fork's own forks (a CLI's workers) die with it: nothing else would collect them
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            requester.pop(pid)
+        for pid in set(requester) - set(waiting):
+            del requester[pid]
         if not _alive(client_pid):
             for pid in waiting:  # the client is gone, and no one will collect these
                 try:
@@ -309,7 +354,7 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _fork_child(conn: socket.socket, listener: socket.socket) -> int:
+def _fork_child(conn: socket.socket, listener: socket.socket, itself: tuple) -> int:
     # the descriptors travel with the message's first bytes: a plain recv there would drop them
     msg, ancdata, _, _ = conn.recvmsg(1 << 16, socket.CMSG_LEN(2 * 4))
     fds = array.array("i")
@@ -332,6 +377,9 @@ def _fork_child(conn: socket.socket, listener: socket.socket) -> int:
         listener.close()
         conn.close()
         os.setsid()
+        # the module as the child's code imports it (this one runs as __main__)
+        module = importlib.import_module("shardcore_conformance.zygote")
+        module._parent = module.Zygote.attached(*itself)
         code = _run_child(request, list(fds))
     except BaseException:
         import traceback

@@ -85,8 +85,9 @@ def run(
     torch_xla where ``env`` asks for XLA) in the same environment (:func:`forked`); ``fresh`` starts
     a new interpreter instead, for a test of what one imports."""
     env = clean_env() if env is None else env
-    if not fresh and forked(cmd, env):
-        proc, out, err = _start_forked(cmd, env, cwd, merge)
+    argv = None if fresh else forked(cmd, env)
+    if argv is not None:
+        proc, out, err = _start_forked(argv, env, cwd, merge)
     else:
         proc = subprocess.Popen(
             [str(c) for c in cmd],
@@ -125,15 +126,11 @@ def forked(cmd: list, env: dict[str, str]) -> list[str] | None:
     return None
 
 
-def _start_forked(cmd, env, cwd, merge):
+def _start_forked(argv, env, cwd, merge):
     out_r, out_w = os.pipe()
     err_r, err_w = (None, None) if merge else os.pipe()
     try:
-        proc = (
-            zygote.shared()
-            .get(env)
-            .start(forked(cmd, env), env=env, cwd=cwd, stdout=out_w, stderr=out_w if merge else err_w)
-        )
+        proc = zygote.shared().get(env).start(argv, env=env, cwd=cwd, stdout=out_w, stderr=out_w if merge else err_w)
     finally:
         os.close(out_w)
         if err_w is not None:

@@ -55,7 +55,10 @@ def fsdp2_matrix_run(tmp_path_factory):
     """The whole FSDP2 matrix at 2 ranks, once, through the command a vendor runs; the tests below
     read its output and report (one launch where there were two)."""
     report = tmp_path_factory.mktemp("fsdp2-matrix")
-    out = _run(["--backend", "fsdp2", "--world-size", "2", "--report", str(report), "--case-timeout", "180"])
+    # The CLI kills a case that hangs (--case-timeout). This deadline only catches a hang of the runner
+    # itself, so it must outlast all 200 runs on a slow, shared machine: CI once needed over 420 s.
+    args = ["--backend", "fsdp2", "--world-size", "2", "--report", str(report), "--case-timeout", "180"]
+    out = _run(args, timeout=1800)
     return out, report
 
 

@@ -5,7 +5,7 @@
 
 from .api import ShardedModel, handle, shard
 from .backend import Backend, BackendInfo, World, available_backends, get_backend
-from .checkpoint import from_pretrained, load, save
+from .checkpoint import CheckpointManager, from_pretrained, load, save
 from .config import MixedPrecision, ShardConfig, parse_config
 from .empty import init_empty_weights
 from .errors import (
@@ -34,6 +34,7 @@ __all__ = [
     "BackendUnavailableError",
     "BatchError",
     "CheckpointError",
+    "CheckpointManager",
     "DistributedSetupError",
     "MemoryEstimate",
     "MixedPrecision",

@@ -53,6 +53,19 @@ class ShardedCheckpoints(Protocol):
 
 
 @runtime_checkable
+class AsyncShardedCheckpoints(Protocol):
+    """``CheckpointManager(async_save=True)`` with SHARDED_STATE_DICT: the loop waits only while
+    the state is copied to CPU memory."""
+
+    def async_save_sharded_state_dict(self, model: nn.Module, optimizer: Any | None, path: str) -> Callable[[], None]:
+        """Copy what :meth:`ShardedCheckpoints.save_sharded_state_dict` writes into CPU memory (a
+        collective), then write it to ``path`` in the background. Returns a function that waits for
+        the write on this rank and raises its error. The background write uses a process group of
+        its own, so the training loop's collectives go on beside it."""
+        ...
+
+
+@runtime_checkable
 class StepEnd(Protocol):
     """Lazy-tensor backends (XLA): cut and run the step's graph after ``optimizer.step()``
     (``shardcore.handle(model).step_end()``, a no-op without the capability)."""
@@ -233,6 +246,7 @@ class RenamesParameters(Protocol):
 #: every optional capability, in the order the docs list them
 CAPABILITIES: tuple[type, ...] = (
     ShardedCheckpoints,
+    AsyncShardedCheckpoints,
     StepEnd,
     GradClipping,
     GradSyncControl,

@@ -157,3 +157,21 @@ def test_memory_of_a_lora_model_keeps_no_state_for_the_frozen_base(tmp_path):
         assert abs(row["estimate_over_measured"][kind] - 1) < 0.02, (kind, row)
     fb = row["frozen_base"]
     assert fb["grads_and_adamw_bytes"] < fb["full_fine_tuning_bytes"] / 10, fb
+
+
+def test_checkpoint_tiny_times_both_modes_and_counts_the_staged_bytes(tmp_path):
+    res = tmp_path / "checkpoint.json"
+    out = _run("checkpoint.py", "--size", "tiny", "--repeats", "1", "--out", str(res))
+    data = json.loads(res.read_text())
+    params = data["params"]
+    for kind, line in zip(("FULL_STATE_DICT", "SHARDED_STATE_DICT"), out.stdout.splitlines()[-3:-1]):
+        r = data["kinds"][kind]
+        assert line.startswith(kind) and "async/sync" in line, out.stdout
+        assert r["sync_blocked_s"] > 0 and 0 < r["async_blocked_s"] <= r["async_done_s"] * 1.0001
+        # bytes, not times: rank 0 holds the whole fp32 state (weights and AdamW's two moments) for
+        # FULL; for SHARDED each rank holds its shards of the same, about half of it
+        staged = r["staged_bytes_per_rank"]
+        if kind == "FULL_STATE_DICT":
+            assert staged == [params * 4 * 3, 0], staged
+        else:
+            assert abs(sum(staged) - params * 4 * 3) <= 64 * 4 * 3, staged

@@ -66,6 +66,7 @@ def test_declared_capabilities_of_the_shipped_backends():
     names = lambda b: {c.__name__ for c in declared(shardcore.get_backend(b))}  # noqa: E731
     assert names("fsdp2") == {
         "ShardedCheckpoints",
+        "AsyncShardedCheckpoints",
         "GradClipping",
         "GradSyncControl",
         "ModelValidation",

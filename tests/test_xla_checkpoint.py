@@ -163,3 +163,16 @@ def test_cpu_ram_efficient_loading_reads_on_rank0_only(tmp_path, mode, devices):
     assert res["reads"] == [0], res
     assert res["keys"] > 0 and res["param_diff"] == 0.0, res
     assert res["buffers"] == (devices if mode == "fsdp" else 1) * 2 and res["buffer_diff_sum"] == 0.0, res
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", ["fsdp", "spmd"])
+def test_checkpoint_manager_resumes_exactly_on_two_devices(tmp_path, mode):
+    """A CheckpointManager on XLA FSDP and SPMD: 3 steps (step 2 saved, step 3 lost), a new model
+    restored, trained to 6: bit for bit 6 uninterrupted steps, for FULL saved synchronously and
+    SHARDED asynchronously (which XLA writes before save returns: it has no AsyncShardedCheckpoints)."""
+    got = worker_json("xla_manager", 2, mode, str(tmp_path))
+    for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+        assert got[kind] == {"restored": 2, "max_diff": 0.0, "steps": [4, 6]}, (kind, got)
+        marker = json.loads((tmp_path / kind / "step-6" / "shardcore-step.json").read_text())
+        assert marker["world_size"] == (2 if mode == "fsdp" else 1) and marker["backend"] == "xla"

@@ -24,6 +24,7 @@ the collective work), :mod:`.atomic` (replacing a directory in one step), :mod:`
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..capabilities import SlicedLoading
+from ..capabilities import AsyncShardedCheckpoints, SlicedLoading
 from ..empty import awaiting_weights, weights_arrived
 from ..errors import CheckpointError, ShardcoreError
 from ..integrations import peft
@@ -46,6 +47,7 @@ from .pretrained import from_pretrained
 from .runtime import FULL, SHARDED, LocalRuntime, on_rank0, resolve_state_dict_type, runtime_of, sharded_checkpoints
 
 __all__ = [
+    "CheckpointManager",
     "DCP_METADATA",
     "FORMAT_VERSION",
     "FULL",
@@ -88,6 +90,56 @@ def save(
     key names). With ``merged=True`` it is instead the base Transformers model with the adapter folded
     into its weights, which ``AutoModelForCausalLM.from_pretrained`` loads.
     """
+    staged = stage(model, path, optimizer, state_dict_type=state_dict_type, merged=merged)
+    try:
+        on_rank0(staged.runtime, staged.write)
+    except BaseException:
+        staged.discard()
+        raise
+    log.info("shardcore: saved %s checkpoint to %s", staged.kind, staged.final)
+    return staged.final
+
+
+class Staged:
+    """A save whose collective part is done: what is left is rank 0's, with no collective, so it
+    may run in a background thread (:class:`CheckpointManager`'s ``async_save``).
+
+    ``write()`` (rank 0) writes the gathered FULL files and commits the directory. A SHARDED save
+    was written by every rank already, or is being written in the background: ``write()`` waits for
+    that and commits. ``wait()`` waits, on any rank, for that rank's own background part."""
+
+    def __init__(self, runtime: Any, kind: str, tmp: Path, final: Path, finish: Any, pending: Any = None) -> None:
+        self.runtime, self.kind, self.tmp, self.final = runtime, kind, tmp, final
+        self._finish = finish
+        self._pending = pending
+
+    def wait(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending()
+
+    def write(self) -> None:
+        self.wait()
+        self._finish()
+
+    def discard(self) -> None:
+        if self.runtime.world().rank == 0:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def stage(
+    model: nn.Module,
+    path: str | os.PathLike,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    state_dict_type: str | None = None,
+    merged: bool = False,
+    background: bool = False,
+) -> Staged:
+    """The collective part of :func:`save`: check, gather (FULL) or write (SHARDED) the state.
+    Collective. With ``background``, the state is copied where the model could change it under the
+    writer (a FULL state of an unsharded tensor is the tensor itself), and a SHARDED save whose
+    backend can (``AsyncShardedCheckpoints``) is staged in CPU memory and written in the background."""
     runtime, cfg = runtime_of(model)
     peft_model = peft.peft_of(model)
     if merged and (peft_model is None or optimizer is not None):
@@ -117,66 +169,103 @@ def save(
     tmp = Path(on_rank0(runtime, lambda: str(atomic.prepare_destination(final))))
     try:
         meta = manifest.build_manifest(model, kind, world, runtime, optimizer is not None)
-        if kind == FULL and peft_model is not None:
+        if kind == SHARDED:
+            return _stage_sharded(runtime, model, optimizer, path, tmp, final, meta, background)
+        state = runtime.full_state_dict(model)
+        osd = runtime.full_optimizer_state_dict(model, optimizer) if optimizer is not None else None
+        if background and world.rank == 0:
+            state, osd = _unshared(model, optimizer, state), _unshared(model, optimizer, osd)
+        if peft_model is not None:
             meta["peft"] = "merged" if merged else "adapter"
-            _save_peft(runtime, model, peft_model, optimizer, tmp, final, meta, merged)
-        elif kind == FULL:
-            _save_full(runtime, model, optimizer, tmp, final, meta)
+            finish = functools.partial(_write_peft, model, peft_model, state, osd, tmp, final, meta, merged)
         else:
-            _save_sharded(runtime, model, optimizer, path, tmp, final, meta)
+            finish = functools.partial(_write_full, model, state, osd, tmp, final, meta)
+        return Staged(runtime, kind, tmp, final, finish)
     except BaseException:
         if world.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log.info("shardcore: saved %s checkpoint to %s", kind, final)
-    return final
 
 
-def _save_full(runtime: Any, model: nn.Module, optimizer: Any, tmp: Path, final: Path, meta: dict[str, Any]) -> None:
-    """Gather on every rank (a collective), write on rank 0."""
-    state = runtime.full_state_dict(model)
-    osd = runtime.full_optimizer_state_dict(model, optimizer) if optimizer is not None else None
+def _unshared(model: nn.Module, optimizer: Any, state: Any) -> Any:
+    """``state`` with a copy of each tensor whose memory the model or the optimizer owns (training
+    goes on while a background writer reads it); tensors gathered for the save are kept as they are."""
+    if state is None:
+        return None
+    live = {_memory(t) for t in (*model.parameters(), *model.buffers())}
+    if optimizer is not None:
+        for per_param in optimizer.state.values():
+            live.update(_memory(v) for v in per_param.values() if isinstance(v, torch.Tensor))
+    live.discard(None)
 
-    def write() -> None:
-        full.write_full(tmp, model, state, osd)
-        _finish(tmp, final, model, meta)
+    def copy(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return obj.detach().clone() if _memory(obj) in live else obj
+        if isinstance(obj, dict):
+            return {k: copy(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(copy(v) for v in obj)
+        return obj
 
-    on_rank0(runtime, write)
+    return copy(state)
 
 
-def _save_peft(
-    runtime: Any,
+def _memory(t: torch.Tensor) -> int | None:
+    """Where ``t``'s data lives (a DTensor's: its local shard's), or None for a tensor without host
+    storage (an XLA tensor, which the gather has copied to the CPU anyway)."""
+    local = getattr(t, "_local_tensor", t)
+    try:
+        return local.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _write_full(
+    model: nn.Module, state: dict[str, Any], osd: Any, tmp: Path, final: Path, meta: dict[str, Any]
+) -> None:
+    """Rank 0, after the gather: write the files, then commit."""
+    full.write_full(tmp, model, state, osd)
+    _finish(tmp, final, model, meta)
+
+
+def _write_peft(
     model: nn.Module,
     peft_model: Any,
-    optimizer: Any,
+    state: dict[str, Any],
+    osd: Any,
     tmp: Path,
     final: Path,
     meta: dict[str, Any],
     merged: bool,
 ) -> None:
-    """Gather on every rank (a collective); rank 0 writes the adapter directory, or the merged model."""
-    state = runtime.full_state_dict(model)
-    osd = runtime.full_optimizer_state_dict(model, optimizer) if optimizer is not None else None
-
-    def write() -> None:
-        if merged:
-            plain = peft.merged_model(peft_model, state)
-            full.write_full(tmp, plain, plain.state_dict(), None)
-            _finish(tmp, final, plain, meta)
-            return
-        full.write_full(tmp, model, peft.adapter_state(peft_model, state), osd, weights=peft.ADAPTER_WEIGHTS)
-        peft.write_adapter_config(tmp, peft_model)
-        _finish(tmp, final, model, meta, hf_config=False)
-
-    on_rank0(runtime, write)
+    """Rank 0, after the gather: the adapter directory, or the merged model."""
+    if merged:
+        plain = peft.merged_model(peft_model, state)
+        full.write_full(tmp, plain, plain.state_dict(), None)
+        _finish(tmp, final, plain, meta)
+        return
+    full.write_full(tmp, model, peft.adapter_state(peft_model, state), osd, weights=peft.ADAPTER_WEIGHTS)
+    peft.write_adapter_config(tmp, peft_model)
+    _finish(tmp, final, model, meta, hf_config=False)
 
 
-def _save_sharded(
-    runtime: Any, model: nn.Module, optimizer: Any, path: Any, tmp: Path, final: Path, meta: dict[str, Any]
-) -> None:
-    """Every rank writes its own shards (a collective); then rank 0 finishes the directory."""
+def _stage_sharded(
+    runtime: Any,
+    model: nn.Module,
+    optimizer: Any,
+    path: Any,
+    tmp: Path,
+    final: Path,
+    meta: dict[str, Any],
+    background: bool,
+) -> Staged:
+    """Every rank writes its own shards (a collective), now or, staged, in the background."""
+    finish = functools.partial(_finish, tmp, final, model, meta)
+    if background and isinstance(runtime, AsyncShardedCheckpoints):
+        pending = runtime.async_save_sharded_state_dict(model, optimizer, str(tmp))
+        return Staged(runtime, SHARDED, tmp, final, finish, pending)
     sharded_checkpoints(runtime, "save", path).save_sharded_state_dict(model, optimizer, str(tmp))
-    on_rank0(runtime, lambda: _finish(tmp, final, model, meta))
+    return Staged(runtime, SHARDED, tmp, final, finish)
 
 
 def _finish(tmp: Path, final: Path, model: nn.Module, meta: dict[str, Any], hf_config: bool = True) -> None:
@@ -377,3 +466,6 @@ def _every_rank_reads(runtime: Any, read: Any) -> Any:
             "(their own error says why); this rank's model is incomplete."
         )
     return out
+
+
+from .manager import CheckpointManager  # noqa: E402 - it builds on save and load above

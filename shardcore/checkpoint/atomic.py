@@ -22,12 +22,13 @@ from .manifest import MANIFEST, is_checkpoint
 
 log = logging.getLogger(__name__)
 
-_TMP_TAG = ".shardcore-tmp-"
+TMP_TAG = ".shardcore-tmp-"
 _OLD_TAG = ".shardcore-old"
 
 
-def prepare_destination(final: Path) -> Path:
-    """Check that ``final`` may be written, and make the temporary sibling the save goes into."""
+def prepare_destination(final: Path, marker: str = MANIFEST) -> Path:
+    """Check that ``final`` may be written (it is absent, empty, or holds ``marker``: a save of ours),
+    and make the temporary sibling the save goes into."""
     if final.is_symlink():
         raise CheckpointError(
             f"shardcore.save: {str(final)!r} is a symlink (to {os.readlink(final)!r}); a save replaces its "
@@ -35,10 +36,10 @@ def prepare_destination(final: Path) -> Path:
         )
     if final.exists():
         if final.is_dir():
-            if not is_checkpoint(final) and any(final.iterdir()):
+            if not (final / marker).is_file() and any(final.iterdir()):
                 raise CheckpointError(
                     f"shardcore.save: {str(final)!r} is a directory that is not a shardcore checkpoint (no "
-                    f"{MANIFEST}); refusing to overwrite it. Pass a new path or remove the directory."
+                    f"{marker}); refusing to overwrite it. Pass a new path or remove the directory."
                 )
         else:
             raise CheckpointError(
@@ -47,7 +48,7 @@ def prepare_destination(final: Path) -> Path:
             )
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.parent / f".{final.name}{_TMP_TAG}{uuid.uuid4().hex[:12]}"
+        tmp = final.parent / f".{final.name}{TMP_TAG}{uuid.uuid4().hex[:12]}"
         tmp.mkdir()
     except OSError as e:
         raise CheckpointError(
@@ -86,7 +87,7 @@ def commit(tmp: Path, final: Path) -> None:
         tmp = old
     _fsync(final.parent)
     shutil.rmtree(tmp, ignore_errors=True)  # now the previous checkpoint (or nothing)
-    for stale in final.parent.glob(f".{final.name}{_TMP_TAG}*"):  # left by saves that were killed
+    for stale in final.parent.glob(f".{final.name}{TMP_TAG}*"):  # left by saves that were killed
         shutil.rmtree(stale, ignore_errors=True)
 
 

@@ -2,7 +2,7 @@
 
 Everything is safetensors or JSON, never pickle, so loading a checkpoint from elsewhere runs no
 code from it. That is also why optimizer state is split into a tensors file and a JSON structure
-(:func:`_encode`), and why tied weights are stored once: ``save_pretrained`` does the same, and
+(:func:`encode`), and why tied weights are stored once: ``save_pretrained`` does the same, and
 ``from_pretrained`` expects it. Directories written by ``save_pretrained`` itself (one file or an
 index of shards) are read here too.
 """
@@ -66,26 +66,38 @@ def write_full(
         tensors[k] = v
     st.save_file(tensors, str(tmp / weights), metadata={"format": "pt"})
     if osd is not None:
-        flat: dict[str, torch.Tensor] = {}
-        structure = _encode(osd, "", flat)
-        st.save_file(flat, str(tmp / OPTIMIZER_TENSORS), metadata={"format": "pt"})
-        (tmp / OPTIMIZER_META).write_text(json.dumps(structure))
+        write_encoded(osd, tmp / OPTIMIZER_TENSORS, tmp / OPTIMIZER_META)
 
 
-def _encode(obj: Any, prefix: str, flat: dict[str, torch.Tensor]) -> Any:
-    """Optimizer state as JSON, with its tensors moved into ``flat`` (one safetensors file)."""
+def write_encoded(obj: Any, tensors: Path, meta: Path, what: str = "optimizer state") -> None:
+    """``obj``'s tensors to the safetensors file ``tensors``, the rest to the JSON file ``meta``."""
+    st, _ = _safetensors()
+    flat: dict[str, torch.Tensor] = {}
+    structure = encode(obj, "", flat, what)
+    st.save_file(flat, str(tensors), metadata={"format": "pt"})
+    meta.write_text(json.dumps(structure))
+
+
+def encode(obj: Any, prefix: str, flat: dict[str, torch.Tensor], what: str = "optimizer state") -> Any:
+    """``obj`` (``what``: optimizer state, or a manager's extra state) as JSON, with its tensors
+    moved into ``flat`` (one safetensors file)."""
     if isinstance(obj, torch.Tensor):
         key = prefix or "_"
         flat[key] = obj.detach().cpu().contiguous()
         return {"__tensor__": key}
     if isinstance(obj, Mapping):
-        return {"__dict__": [[k, _encode(v, f"{prefix}/{k}", flat)] for k, v in obj.items()]}
+        return {"__dict__": [[k, encode(v, f"{prefix}/{k}", flat, what)] for k, v in obj.items()]}
     if isinstance(obj, tuple):
-        return {"__tuple__": [_encode(v, f"{prefix}/{i}", flat) for i, v in enumerate(obj)]}
+        return {"__tuple__": [encode(v, f"{prefix}/{i}", flat, what) for i, v in enumerate(obj)]}
     if isinstance(obj, list):
-        return [_encode(v, f"{prefix}/{i}", flat) for i, v in enumerate(obj)]
+        return [encode(v, f"{prefix}/{i}", flat, what) for i, v in enumerate(obj)]
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
+    if what != "optimizer state":
+        raise CheckpointError(
+            f"shardcore: {what} {prefix!r} is a {type(obj).__name__}, which a checkpoint cannot store without "
+            "pickle. Make state_dict() return tensors, numbers, strings, lists and dicts."
+        )
     raise CheckpointError(
         f"shardcore.save: optimizer state {prefix!r} is a {type(obj).__name__}, which a FULL checkpoint cannot "
         "store without pickle. Use state_dict_type='SHARDED_STATE_DICT' for this optimizer."
@@ -271,17 +283,18 @@ def optimizer_files(src: Path, optimizer: Any) -> tuple[Path, Path]:
     return tensors, meta
 
 
-def read_optimizer(tensors: Path, meta: Path) -> dict[str, Any]:
+def read_optimizer(tensors: Path, meta: Path, what: str = "the optimizer state") -> dict[str, Any]:
+    """What :func:`encode` wrote to ``tensors`` and ``meta`` (``what`` names it in errors)."""
     st, _ = _safetensors()
     try:
         flat = st.load_file(str(tensors))
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
         raise _damaged(tensors, e) from None
-    return _decode_file(meta, flat)
+    return _decode_file(meta, flat, what)
 
 
-def _decode_file(meta: Path, flat: Mapping[str, Any]) -> Any:
-    data = read_json(meta.parent, meta.name, "the optimizer state")
+def _decode_file(meta: Path, flat: Mapping[str, Any], what: str = "the optimizer state") -> Any:
+    data = read_json(meta.parent, meta.name, what)
     try:
         return _decode(data, flat)
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:

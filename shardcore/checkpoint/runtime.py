@@ -34,6 +34,9 @@ class LocalRuntime:
     def broadcast_object(self, obj: Any) -> Any:
         return obj
 
+    def all_reduce_sum(self, tensor: Any) -> Any:
+        return tensor
+
     def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 

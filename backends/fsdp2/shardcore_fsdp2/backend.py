@@ -19,6 +19,7 @@ from torch import nn
 
 from shardcore import devices, safe_dcp
 from shardcore.capabilities import (
+    AsyncShardedCheckpoints,
     GlobalGradSquares,
     GradClipping,
     GradSyncControl,
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 class FSDP2Backend(
     TorchDistributedRuntime,
     ShardedCheckpoints,
+    AsyncShardedCheckpoints,
     GradClipping,
     GradSyncControl,
     ModelValidation,
@@ -82,6 +84,7 @@ class FSDP2Backend(
         self._mesh = None
         self._mesh_group = None
         self._mesh_shape: tuple[int, int] | None = None
+        self._checkpoint_group = None  # async saves' own gloo group, made at the first one
 
     # -- protocol -------------------------------------------------------------------------------
     def is_available(self) -> tuple[bool, str]:
@@ -184,6 +187,23 @@ class FSDP2Backend(
         import torch.distributed.checkpoint as dcp
 
         dcp.save(_sharded_state(model, optimizer), checkpoint_id=path)
+
+    def async_save_sharded_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str
+    ) -> Any:
+        """DCP's ``async_save`` (torchtitan's ``async_mode="async"``): the state is copied to CPU
+        memory before it returns, then written by a thread that meets the other ranks on a gloo
+        group of its own, never on the training loop's. (DCP's cached staging copy would save the
+        copy's allocation, but it pins memory, which needs CUDA.)"""
+        import torch.distributed.checkpoint as dcp
+
+        group = None
+        if dist.is_initialized():
+            if self._checkpoint_group is None:
+                self._checkpoint_group = dist.new_group(backend="gloo")  # collective: every rank, same save
+            group = self._checkpoint_group
+        future = dcp.async_save(_sharded_state(model, optimizer), checkpoint_id=path, process_group=group)
+        return future.result
 
     def load_sharded_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str) -> None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict

@@ -1,0 +1,563 @@
+"""The checkpoint lifecycle above :func:`shardcore.save` and :func:`shardcore.load`.
+
+A :class:`CheckpointManager` decides when a step is saved, what goes with it, which directories
+count as complete, and which to delete. The anchors are torchtitan's ``CheckpointManager``
+(``keep_latest_k``; ``load_step=-1`` takes the newest step that holds DCP's ``.metadata``) and
+torch_xla's (``save_interval``, ``max_to_keep``, ``chkpt_on_preemption``; only directories with its
+own marker are restored). The Trainer and accelerate resume from the highest-numbered folder
+without a completeness check, and accelerate's ``total_limit`` deletes before the new save: both
+lose runs here (transformers #35782, #35525), so this module does neither.
+
+On disk, ``directory/step-<N>`` holds:
+
+* ``model/``: a shardcore checkpoint of the model and the optimizer (either format);
+* ``rank-<r>.json`` and ``rank-<r>.safetensors``: each rank's extra state (every object passed to
+  ``save`` with ``state_dict()``) and its RNG states, as JSON and tensors, never pickle;
+* ``shardcore-step.json``: the marker, written last.
+
+The step is written into a hidden sibling and renamed into place only once every rank has written
+its part and the marker is on disk. So ``step-<N>`` exists complete or not at all, and a directory
+without the marker is never restored. Old steps are deleted only after the new one is in place,
+each renamed away first, so a crash during retention leaves no half-deleted step behind.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import signal as signals
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..capabilities import AsyncShardedCheckpoints
+from ..errors import CheckpointError
+from . import atomic, full, manifest, stage
+from . import load as load_checkpoint
+from .confine import read_json
+from .runtime import SHARDED, on_rank0, runtime_of
+
+log = logging.getLogger(__name__)
+
+STEP_MARKER = "shardcore-step.json"
+MODEL_DIR = "model"
+STEP_FORMAT_VERSION = 1
+_STEP_NAME = re.compile(r"step-(\d+)")
+_DELETING_TAG = ".shardcore-deleting-"
+#: extra-state keys that the manager writes itself
+_RESERVED = frozenset({"rng"})
+
+
+def step_dir(directory: Path, step: int) -> Path:
+    return directory / f"step-{step}"
+
+
+class CheckpointManager:
+    """Save training state every ``every`` steps (or on a signal), keep the last ``keep_last``, and
+    restore the newest complete one. Collective like :func:`shardcore.save`: every rank makes the
+    same calls with the same steps.
+
+    ``state_dict_type`` is the model's format (None: the config's). ``save_on_signal`` (for example
+    ``signal.SIGTERM``) installs a handler in the main thread: once any rank receives it,
+    :meth:`should_save` is true on every rank at the next step, and :attr:`preempted` tells the loop
+    to stop after that save.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        keep_last: int | None = 3,
+        every: int | None = None,
+        async_save: bool = False,
+        state_dict_type: str | None = None,
+        save_on_signal: int | None = None,
+    ) -> None:
+        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+            raise CheckpointError(
+                f"CheckpointManager: keep_last={keep_last!r} is not a positive integer. Pass 1 or more, or None "
+                "to keep every checkpoint."
+            )
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise CheckpointError(
+                f"CheckpointManager: every={every!r} is not a positive integer. Pass the number of steps between "
+                "saves, or None to save only when you call save() (or on save_on_signal)."
+            )
+        if state_dict_type is not None:
+            from .runtime import resolve_state_dict_type
+
+            state_dict_type = resolve_state_dict_type(state_dict_type, None)
+        self.directory = Path(directory)
+        self.keep_last = keep_last
+        self.every = every
+        self.async_save = async_save
+        self.state_dict_type = state_dict_type
+        self.preempted = False
+        self._pending: _Background | None = None
+        self._signal_seen = False
+        self._signal = None
+        self._previous_handler: Any = None
+        if save_on_signal is not None:
+            self._install(save_on_signal)
+
+    # ------------------------------------------------------------------------------- preemption
+
+    def _install(self, sig: int) -> None:
+        try:
+            sig = signals.Signals(sig)
+        except ValueError:
+            raise CheckpointError(
+                f"CheckpointManager: save_on_signal={sig!r} is not a signal. Pass one such as signal.SIGTERM."
+            ) from None
+        try:
+            self._previous_handler = signals.signal(sig, self._on_signal)
+        except ValueError as e:  # not the main thread
+            raise CheckpointError(
+                f"CheckpointManager: save_on_signal={sig.name} needs the main thread to install its handler ({e}). "
+                "Create the manager in the training script's main thread."
+            ) from None
+        self._signal = sig
+        log.info("shardcore: a %s saves a checkpoint at the next step", sig.name)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        # only a flag: the save itself is collective and must run in the loop, on every rank
+        self._signal_seen = True
+
+    def should_save(self, step: int, model: nn.Module | None = None) -> bool:
+        """Whether ``step`` is one to save: a multiple of ``every``, or the first step after any
+        rank received ``save_on_signal``. With ``save_on_signal`` this is collective (the ranks
+        agree on one flag), so every rank must call it at every step, passing ``model``."""
+        due = self.every is not None and step > 0 and step % self.every == 0
+        if self._signal is not None:
+            if model is None:
+                raise CheckpointError(
+                    "CheckpointManager.should_save: with save_on_signal, the ranks agree on a preemption through "
+                    "the model's backend. Call should_save(step, model) on every rank."
+                )
+            runtime, _ = runtime_of(model)
+            flag = torch.tensor([1.0 if self._signal_seen else 0.0], device=runtime.world().device)
+            if float(runtime.all_reduce_sum(flag).cpu()[0]) > 0:
+                if not self.preempted:
+                    log.warning(
+                        "shardcore: %s received; saving at step %d, then the loop should stop", self._signal.name, step
+                    )
+                self.preempted = True
+        return due or self.preempted
+
+    # ------------------------------------------------------------------------------------- save
+
+    def save(self, step: int, model: nn.Module, optimizer: Any = None, **state: Any) -> Path:
+        """Write ``directory/step-<step>``: the model and ``optimizer`` (:func:`shardcore.save`),
+        every object in ``state`` (anything with ``state_dict()`` and ``load_state_dict()``: an LR
+        scheduler, a sampler, a stateful data loader), the step, and each rank's RNG states. Then
+        delete the checkpoints beyond ``keep_last``. Collective; returns the directory.
+
+        With ``async_save``, it returns once the state is in CPU memory; the write, the commit and
+        the retention go on in the background. A save in flight is finished first."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointError(
+                f"CheckpointManager.save: step={step!r} is not an integer >= 0. Pass the step number."
+            )
+        _check_stateful(state, "save")
+        runtime, _ = runtime_of(model)
+        self._settle()
+        world = runtime.world()
+        final = step_dir(self.directory, step)
+        background = self.async_save and not self.preempted  # a preempted process exits after this save
+        tmp = Path(on_rank0(runtime, lambda: str(_prepare(final))))
+        try:
+            staged = stage(
+                model, tmp / MODEL_DIR, optimizer, state_dict_type=self.state_dict_type, background=background
+            )
+            if background and staged.kind == SHARDED and not isinstance(runtime, AsyncShardedCheckpoints):
+                log.warning(
+                    "shardcore: the %s backend cannot write SHARDED checkpoints in the background "
+                    "(shardcore.capabilities.AsyncShardedCheckpoints); step %d was written before save returned",
+                    runtime.name,
+                    step,
+                )
+            error = _attempt(lambda: _write_rank_state(tmp, world.rank, state))
+            _agree(runtime, error, "writing the ranks' state")
+        except BaseException as e:
+            raise self._failed(e, step, final, tmp, world.rank) from e
+        meta = {
+            "format": "shardcore-step",
+            "version": STEP_FORMAT_VERSION,
+            "step": step,
+            "world_size": world.size,
+            "backend": runtime.name,
+            "state": sorted(state),
+        }
+
+        def commit() -> None:  # rank 0, no collective: it may run in a thread
+            staged.write()
+            _commit(tmp, final, meta)
+            log.info("shardcore: saved step %d to %s", step, final)
+
+        if background:
+            self._pending = _Background(step, final, tmp, runtime, commit if world.rank == 0 else staged.wait)
+            return final
+        try:
+            on_rank0(runtime, commit)
+        except BaseException as e:
+            raise self._failed(e, step, final, tmp, world.rank) from e
+        if self.keep_last is not None:
+            on_rank0(runtime, lambda: self._retain(step))
+        return final
+
+    def _failed(self, e: BaseException, step: int, final: Path, tmp: Path, rank: int) -> BaseException:
+        """The error to raise for a save that failed: its temporary directory is gone, and the
+        message names the step and the newest complete checkpoint, which is intact."""
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(e, Exception):
+            return e
+        previous = self._newest_quietly()
+        kept = f" The newest complete checkpoint, {previous}, is intact." if previous else ""
+        what = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+        return CheckpointError(f"CheckpointManager.save(step={step}) into {str(final)!r} failed: {what}.{kept}")
+
+    def _settle(self) -> None:
+        """Finish the save in flight, if any; its error (on any rank) is raised on every rank."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        error = pending.join()
+        if error is None and pending.runtime.world().rank == 0 and self.keep_last is not None:
+            error = _attempt(lambda: self._retain(pending.step))
+        try:
+            _agree(pending.runtime, error, f"the background save of step {pending.step}")
+        except CheckpointError as e:
+            raise self._failed(e, pending.step, pending.final, pending.tmp, pending.runtime.world().rank) from e
+
+    def _retain(self, newest: int) -> None:
+        """Delete this manager's complete steps beyond ``keep_last``; the one just written always
+        stays. Each is renamed away first, so an interrupted delete leaves no partial ``step-<N>``."""
+        steps = [s for s, _ in self.checkpoints()]
+        keep = set(sorted(steps, reverse=True)[: self.keep_last]) | {newest}
+        for s in steps:
+            if s in keep:
+                continue
+            victim = step_dir(self.directory, s)
+            doomed = self.directory / f".{victim.name}{_DELETING_TAG}{uuid.uuid4().hex[:8]}"
+            try:
+                os.rename(victim, doomed)
+            except OSError as e:
+                log.warning("shardcore: could not delete old checkpoint %s (%s); it stays", victim, e)
+                continue
+            _remove(doomed)
+            log.info("shardcore: deleted old checkpoint %s (keep_last=%d)", victim, self.keep_last)
+        for leftover in self.directory.glob(f".step-*{_DELETING_TAG}*"):  # a delete that was killed
+            _remove(leftover)
+
+    # ---------------------------------------------------------------------------------- restore
+
+    def checkpoints(self) -> list[tuple[int, Path]]:
+        """This manager's complete checkpoints, ``(step, path)`` oldest first (read on this rank)."""
+        found, _ = _scan(self.directory)
+        return sorted(found)
+
+    def latest(self) -> tuple[int, Path] | None:
+        """The newest complete checkpoint, or None."""
+        found = self.checkpoints()
+        return found[-1] if found else None
+
+    def _newest_quietly(self) -> str | None:
+        try:
+            latest = self.latest()
+        except OSError:
+            return None
+        return str(latest[1]) if latest else None
+
+    def restore(self, model: nn.Module, optimizer: Any = None, **state: Any) -> int | None:
+        """Load the newest complete checkpoint into ``model``, ``optimizer`` and the objects in
+        ``state`` (the same names as at save), restore each rank's RNG states, and return its step;
+        None where there is none. Directories whose save did not finish are skipped, and the log
+        says which and why. Collective."""
+        _check_stateful(state, "restore")
+        runtime, _ = runtime_of(model)
+        self._settle()
+        world = runtime.world()
+
+        def choose() -> tuple[int, str, dict[str, Any]] | None:
+            found, skipped = _scan(self.directory)
+            for path, why in skipped:
+                log.warning("shardcore: not restoring %s: %s", path, why)
+            if not found:
+                return None
+            step, path = max(found)
+            return step, str(path), read_json(path, STEP_MARKER, "the step marker")
+
+        chosen = on_rank0(runtime, choose)
+        if chosen is None:
+            log.info("shardcore: no complete checkpoint in %s; starting from scratch", self.directory)
+            return None
+        step, path, meta = chosen[0], Path(chosen[1]), chosen[2]
+        saved_names = set(meta.get("state") or [])
+        missing = sorted(set(state) - saved_names)
+        if missing:
+            raise CheckpointError(
+                f"CheckpointManager.restore: {str(path)!r} (step {step}) holds no state for {missing}; it holds "
+                f"{sorted(saved_names) or 'none'}. Restore without these names, or save them with the step."
+            )
+        for name in sorted(saved_names - set(state)):
+            log.warning("shardcore: %s holds state for %r, which restore was not given; it is not restored", path, name)
+        load_checkpoint(model, path / MODEL_DIR, optimizer)
+        saved_world = int(meta.get("world_size", 0))
+        error = _attempt(lambda: _read_rank_state(path, world.rank, world.size, saved_world, state))
+        try:
+            _agree(runtime, error, "restoring the ranks' state")
+        except CheckpointError as e:
+            raise CheckpointError(f"CheckpointManager.restore: step {step} from {str(path)!r}: {e}") from e
+        log.info("shardcore: restored step %d from %s", step, path)
+        return step
+
+    def wait(self) -> None:
+        """Finish the save in flight, if any, and raise its error, on every rank. Collective."""
+        self._settle()
+
+    def close(self) -> None:
+        """Finish the save in flight and give back the signal handler. Collective."""
+        try:
+            self._settle()
+        finally:
+            if self._signal is not None:
+                signals.signal(self._signal, self._previous_handler)
+                self._signal = None
+
+
+class _Background:
+    """A save's rank-local rest (rank 0: write, commit; the others: their own SHARDED shards), in a
+    thread. Not a daemon: an interpreter that exits first waits for the write."""
+
+    def __init__(self, step: int, final: Path, tmp: Path, runtime: Any, work: Any) -> None:
+        self.step, self.final, self.tmp, self.runtime = step, final, tmp, runtime
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(work,), name=f"shardcore-save-{step}")
+        self._thread.start()
+
+    def _run(self, work: Any) -> None:
+        try:
+            work()
+        except BaseException as e:  # noqa: BLE001 - raised at the next call on the loop's thread
+            self.error = e
+
+    def join(self) -> BaseException | None:
+        self._thread.join()
+        return self.error
+
+
+# ---------------------------------------------------------------------------------------- helpers
+
+
+def _remove(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _check_stateful(state: dict[str, Any], verb: str) -> None:
+    for name, obj in state.items():
+        if name in _RESERVED:
+            raise CheckpointError(
+                f"CheckpointManager.{verb}: {name!r} is the name the manager gives the RNG states. Pass the object "
+                "under another name."
+            )
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise CheckpointError(
+                f"CheckpointManager.{verb}: {name}={type(obj).__name__} has no state_dict() and load_state_dict(). "
+                "Pass objects that do (an LR scheduler, a stateful data loader), or wrap the value in one."
+            )
+
+
+def _prepare(final: Path) -> Path:
+    """Rank 0: the hidden directory the step is written into (a sibling, so the rename is atomic)."""
+    if final.exists() and not (final / STEP_MARKER).is_file():
+        raise CheckpointError(
+            f"CheckpointManager.save: {str(final)!r} exists and was not written by a CheckpointManager (no "
+            f"{STEP_MARKER}); refusing to replace it. Move it away or use another directory."
+        )
+    return atomic.prepare_destination(final, marker=STEP_MARKER)
+
+
+def _commit(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
+    (tmp / STEP_MARKER).write_text(json.dumps(meta, indent=2) + "\n")
+    atomic.commit(tmp, final)
+
+
+def _attempt(fn: Any) -> BaseException | None:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - every rank learns of it in _agree
+        return e
+    return None
+
+
+def _agree(runtime: Any, error: BaseException | None, doing: str) -> None:
+    """Every rank raises if any rank failed (a collective): no rank goes on to commit a step that
+    another rank could not write."""
+    world = runtime.world()
+    failed = torch.tensor([0.0 if error is None else 1.0], device=world.device)
+    failures = int(float(runtime.all_reduce_sum(failed).cpu()[0]))
+    if error is not None:
+        raise CheckpointError(f"{doing}, rank {world.rank} failed: {type(error).__name__}: {error}") from error
+    if failures:
+        raise CheckpointError(f"{doing}, {failures} other rank(s) failed; their errors say why")
+
+
+def _scan(directory: Path) -> tuple[list[tuple[int, Path]], list[tuple[Path, str]]]:
+    """Complete steps, and the ``step-<N>`` directories that are not, each with the reason."""
+    found: list[tuple[int, Path]] = []
+    skipped: list[tuple[Path, str]] = []
+    if not directory.is_dir():
+        return found, skipped
+    for p in directory.iterdir():
+        m = _STEP_NAME.fullmatch(p.name)
+        if m is None or not p.is_dir() or p.is_symlink():
+            continue
+        why = _incomplete(p, int(m.group(1)))
+        if why is None:
+            found.append((int(m.group(1)), p))
+        else:
+            skipped.append((p, why))
+    for p in directory.glob(f".step-*{atomic.TMP_TAG}*"):
+        skipped.append((p, "a save that did not finish (its temporary directory)"))
+    return found, skipped
+
+
+def _incomplete(path: Path, step: int) -> str | None:
+    """Why ``path`` is not a complete step, or None."""
+    if not (path / STEP_MARKER).is_file():
+        return f"no {STEP_MARKER}, so its save did not finish, or a CheckpointManager did not write it"
+    try:
+        meta = read_json(path, STEP_MARKER, "the step marker")
+    except CheckpointError as e:
+        return str(e)
+    if not isinstance(meta, dict) or meta.get("format") != "shardcore-step":
+        return f"its {STEP_MARKER} is not a shardcore step marker"
+    if meta.get("version") != STEP_FORMAT_VERSION:
+        return f"its {STEP_MARKER} has version {meta.get('version')!r}; this shardcore reads {STEP_FORMAT_VERSION}"
+    if meta.get("step") != step:
+        return f"its {STEP_MARKER} says step {meta.get('step')!r}, not {step}"
+    if not manifest.is_checkpoint(path / MODEL_DIR):
+        return f"it has no complete model checkpoint ({MODEL_DIR}/{manifest.MANIFEST} missing)"
+    world = meta.get("world_size")
+    if not isinstance(world, int) or world < 1:
+        return f"its {STEP_MARKER} has world_size {world!r}"
+    missing = [r for r in range(world) if not (path / f"{_rank_name(r)}.json").is_file()]
+    if missing:
+        return f"the state of rank(s) {missing[:4]} is missing"
+    return None
+
+
+def _rank_name(rank: int) -> str:
+    return f"rank-{rank:05d}"
+
+
+def _write_rank_state(tmp: Path, rank: int, state: dict[str, Any]) -> None:
+    objects = {name: obj.state_dict() for name, obj in sorted(state.items())}
+    objects["rng"] = _rng_state()
+    name = _rank_name(rank)
+    full.write_encoded(objects, tmp / f"{name}.safetensors", tmp / f"{name}.json", "extra state")
+
+
+def _read_rank(path: Path, rank: int) -> dict[str, Any]:
+    return full.read_optimizer(
+        path / f"{_rank_name(rank)}.safetensors", path / f"{_rank_name(rank)}.json", "extra state"
+    )
+
+
+def _read_rank_state(path: Path, rank: int, size: int, saved_size: int, state: dict[str, Any]) -> None:
+    if size == saved_size:
+        objects = _read_rank(path, rank)
+        for name, obj in state.items():
+            obj.load_state_dict(objects[name])
+        _set_rng_state(objects["rng"])
+        return
+    # Another world size: an object whose state was the same on every rank loads everywhere; one that
+    # differed (a per-rank data position) cannot be mapped onto other ranks, and is refused.
+    saved = [_read_rank(path, r) for r in range(saved_size)]
+    for name, obj in state.items():
+        first = saved[0][name]
+        if any(not _same(first, other[name]) for other in saved[1:]):
+            raise CheckpointError(
+                f"the state of {name!r} differs between the {saved_size} ranks that saved it (per-rank state such as a "
+                f"data position), and this run has {size} ranks, so no rank's state is this rank's. Restore at "
+                f"{saved_size} ranks, or restore without {name}= and start it afresh."
+            )
+        obj.load_state_dict(first)
+    log.warning(
+        "shardcore: %s was saved by %d ranks and this run has %d; the RNG states are per rank, so they are not restored",
+        path,
+        saved_size,
+        size,
+    )
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and torch.equal(a, b)
+        )
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _rng_state() -> dict[str, Any]:
+    """Every generator a training step may draw from on this rank (dropout, shuffling, sampling)."""
+    rng: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    np = _numpy()
+    if np is not None:
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        rng["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos)}
+        rng["numpy"].update(has_gauss=int(has_gauss), cached=float(cached))
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    xm = _xla_model()
+    if xm is not None:
+        rng["xla"] = int(xm.get_rng_state())
+    return rng
+
+
+def _set_rng_state(rng: dict[str, Any]) -> None:
+    version, internal, gauss = rng["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(rng["torch"])
+    np = _numpy()
+    if np is not None and "numpy" in rng:
+        n = rng["numpy"]
+        np.random.set_state((n["kind"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["cached"]))
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(list(rng["cuda"]))
+    xm = _xla_model()
+    if xm is not None and "xla" in rng:
+        xm.set_rng_state(rng["xla"])
+
+
+def _numpy() -> Any:
+    import sys
+
+    return sys.modules.get("numpy")
+
+
+def _xla_model() -> Any:
+    """torch_xla's RNG, only where the run already imported it (an XLA run)."""
+    import sys
+
+    if "torch_xla" not in sys.modules:
+        return None
+    import torch_xla.core.xla_model as xm
+
+    return xm

@@ -49,6 +49,17 @@ LLAMA_SIZES = {
         seq=64,
         batch=4,
     ),
+    # about 106M parameters: 2 x 32000 x 768 embeddings and 8 decoder layers of width 768 (checkpoint.py)
+    "100m": dict(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=8,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+        seq=64,
+        batch=2,
+    ),
     # for a GPU: big enough that the step is compute-bound
     "gpu": dict(
         vocab_size=32000,

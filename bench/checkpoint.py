@@ -30,33 +30,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import LLAMA_SIZES, rank_device, run_ranks, write_result  # noqa: E402
+from _common import LLAMA_SIZES, build_llama, rank_device, run_ranks, write_result  # noqa: E402
 
-SIZES = {
-    "tiny": "tiny",
-    # about 106M parameters: 2 x 32000 x 768 embeddings and 8 decoder layers of width 768
-    "100m": dict(
-        vocab_size=32000,
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=8,
-        num_attention_heads=12,
-        num_key_value_heads=12,
-        seq=64,
-        batch=2,
-    ),
-}
+SIZES = ("100m", "tiny")
 KINDS = ("FULL_STATE_DICT", "SHARDED_STATE_DICT")
-
-
-def _model(size: str) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    spec = LLAMA_SIZES[size] if isinstance(SIZES[size], str) else SIZES[size]
-    kw = {k: v for k, v in spec.items() if k not in ("seq", "batch")}
-    torch.manual_seed(0)
-    cfg = LlamaConfig(max_position_embeddings=max(spec["seq"], 64), tie_word_embeddings=False, **kw)
-    return LlamaForCausalLM(cfg)
 
 
 def _staged_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer, kind: str, rank: int) -> int:
@@ -82,9 +59,9 @@ def _rank(rank: int, world: int, size: str, repeats: int, root: str) -> dict:
     import shardcore
 
     device = rank_device(rank)
-    model = shardcore.shard(_model(size).to(device), {"auto_wrap_policy": "TRANSFORMER_BASED_WRAP"})
+    model = shardcore.shard(build_llama(size).to(device), {"auto_wrap_policy": "TRANSFORMER_BASED_WRAP"})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    spec = LLAMA_SIZES[size] if isinstance(SIZES[size], str) else SIZES[size]
+    spec = LLAMA_SIZES[size]
     ids = torch.randint(
         0, spec["vocab_size"], (spec["batch"] * world, spec["seq"]), generator=torch.Generator().manual_seed(0)
     )
@@ -92,7 +69,7 @@ def _rank(rank: int, world: int, size: str, repeats: int, root: str) -> dict:
     model(**b).loss.backward()
     opt.step()
     opt.zero_grad()
-    params = sum(p.numel() for p in _model(size).parameters()) if rank == 0 else None
+    params = sum(p.numel() for p in build_llama(size).parameters()) if rank == 0 else None
     out: dict = {"params": params, "kinds": {}}
     step = 0
     for kind in KINDS:
@@ -121,7 +98,7 @@ def _rank(rank: int, world: int, size: str, repeats: int, root: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", choices=sorted(SIZES), default="100m")
+    p.add_argument("--size", choices=SIZES, default="100m")
     p.add_argument("--repeats", type=int, default=3, help="saves per mode and format")
     p.add_argument("--out", help="result file (default bench/results/checkpoint.json)")
     args = p.parse_args(argv)

@@ -101,6 +101,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                         "total": est.total,
                     },
                     "full_param_bytes": est.full_param_bytes,
+                    "async_checkpoint_staging_bytes": {
+                        kind: est.async_staging_bytes(kind) for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT")
+                    },
                     **counts,
                 },
                 indent=2,
@@ -125,6 +128,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"  total       {format_bytes(est.total, 1):>12}   (unsharded params: {format_bytes(est.full_param_bytes, 1)})"
     )
     print("(model states only: add --batch-size and --seq-len for the peak with activations)")
+    print("CPU memory an async checkpoint save holds while it writes (CheckpointManager(async_save=True)):")
+    print(f"  FULL        {format_bytes(est.async_staging_bytes('FULL_STATE_DICT'), 1):>12}   (on rank 0)")
+    print(f"  SHARDED     {format_bytes(est.async_staging_bytes('SHARDED_STATE_DICT'), 1):>12}   (on every rank)")
     return 0
 
 

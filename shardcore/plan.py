@@ -186,10 +186,19 @@ class MemoryEstimate:
     grad_bytes: int
     optim_bytes: int
     full_param_bytes: int
+    full_optim_bytes: int = 0
 
     @property
     def total(self) -> int:
         return self.param_bytes + self.grad_bytes + self.optim_bytes
+
+    def async_staging_bytes(self, state_dict_type: str) -> int:
+        """CPU memory that ``CheckpointManager(async_save=True)`` holds while it writes, on the rank
+        that holds the most: FULL stages the whole model and AdamW state on rank 0; SHARDED stages
+        each rank's own shards of both."""
+        if state_dict_type == "SHARDED_STATE_DICT":
+            return self.param_bytes + self.optim_bytes
+        return self.full_param_bytes + self.full_optim_bytes
 
 
 def estimate_memory(
@@ -203,7 +212,7 @@ def estimate_memory(
     """
     if world_size < 1:
         raise WrapPlanError("world_size", f"must be >= 1, got {world_size}.")
-    pbytes = gbytes = obytes = full = 0
+    pbytes = gbytes = obytes = full = full_optim = 0
     seen: set[int] = set()
     state_item = torch.empty((), dtype=optim_state_dtype).element_size()
     for p in model.parameters():
@@ -220,4 +229,5 @@ def estimate_memory(
         if p.requires_grad:
             gbytes += local * p.element_size()
             obytes += 2 * local * state_item
-    return MemoryEstimate(world_size, pbytes, gbytes, obytes, full)
+            full_optim += 2 * p.numel() * state_item
+    return MemoryEstimate(world_size, pbytes, gbytes, obytes, full, full_optim)

@@ -178,6 +178,7 @@ def test_a_signal_makes_the_next_step_save_and_marks_the_run_preempted(tmp_path)
         ({"keep_last": 0}, r"keep_last=0 is not a positive integer"),
         ({"every": 0}, r"every=0 is not a positive integer"),
         ({"every": True}, r"every=True is not a positive integer"),
+        ({"async_save": "yes"}, r"async_save='yes' is not a bool"),
         ({"state_dict_type": "PICKLE"}, r"state_dict_type"),
         ({"save_on_signal": 12345}, r"save_on_signal=12345 is not a signal"),
     ],

@@ -1,7 +1,8 @@
 """Fault injection on FSDP2 ranks: a real 2-rank training job under a CheckpointManager is killed
 (SIGKILL, one rank or every rank) at chosen points of training and of a save, then restarted. The
 restarted job must resume from the newest step whose save completed and end bit for bit where an
-uninterrupted job ends (fp32), for both checkpoint formats.
+uninterrupted job ends (fp32), for both checkpoint formats. And a SIGTERM to one rank (preemption)
+makes every rank save at the next step and stop.
 """
 
 from __future__ import annotations
@@ -117,3 +118,19 @@ def test_a_job_killed_again_and_again_resumes_each_time_from_the_newest_complete
         assert torch.equal(got["state"][k], v), f"{k} differs after the kills ({kind}, {mode})"
     # the last run's retention left the last two steps, complete, and removed every leftover
     assert [s for s, _ in sorted(mgr._scan(tmp_path / "ckpt")[0])] == [STEPS - EVERY, STEPS]
+
+
+@pytest.mark.parametrize("kind, mode", [("FULL_STATE_DICT", "async"), ("SHARDED_STATE_DICT", "sync")])
+def test_a_sigterm_on_one_rank_saves_the_next_step_on_every_rank_and_stops(tmp_path, uninterrupted, kind, mode):
+    """Preemption: rank 1 alone gets SIGTERM in step 2 (no save due until 4). Every rank saves step 3
+    and the job exits 0; the restarted job resumes from step 3 and ends bit for bit."""
+    stopped = _job(tmp_path, kind, mode, "sigterm:2:1")
+    assert stopped.returncode == 0, stopped.stdout[-3000:]
+    assert load_pt(tmp_path / "preempted.pt") == {"step": 3}
+    assert _newest(tmp_path) == 3 and not (tmp_path / "result.pt").exists()
+    resumed = _job(tmp_path, kind, mode)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    got, want = load_pt(tmp_path / "result.pt"), uninterrupted[kind]
+    assert got["resumed"] == 3 and got["lr"] == want["lr"]
+    for k, v in want["state"].items():
+        assert torch.equal(got["state"][k], v), f"{k} differs after the preemption ({kind}, {mode})"

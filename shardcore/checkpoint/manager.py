@@ -43,7 +43,7 @@ from ..errors import CheckpointError
 from . import atomic, full, manifest, stage
 from . import load as load_checkpoint
 from .confine import read_json
-from .runtime import SHARDED, on_rank0, runtime_of
+from .runtime import SHARDED, on_rank0, resolve_state_dict_type, runtime_of
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +90,12 @@ class CheckpointManager:
                 f"CheckpointManager: every={every!r} is not a positive integer. Pass the number of steps between "
                 "saves, or None to save only when you call save() (or on save_on_signal)."
             )
+        if not isinstance(async_save, bool):
+            raise CheckpointError(
+                f"CheckpointManager: async_save={async_save!r} is not a bool. Pass True to write in the background, "
+                "or False."
+            )
         if state_dict_type is not None:
-            from .runtime import resolve_state_dict_type
-
             state_dict_type = resolve_state_dict_type(state_dict_type, None)
         self.directory = Path(directory)
         self.keep_last = keep_last

@@ -4,7 +4,9 @@ CheckpointManager in ``DIR/ckpt`` (KIND checkpoints every 2 steps, the last 2 ke
 step it resumed from and the final state.
 
 POINT ``phase:step:who`` SIGKILLs rank ``who`` (or ``all``: each rank that gets there) at ``phase``
-of step ``step`` (see :data:`PHASES`); the test restarts the job without POINT.
+of step ``step`` (see :data:`PHASES`); the test restarts the job without POINT. ``sigterm:step:who``
+sends that rank a SIGTERM after the backward of step ``step`` instead: the manager saves at the next
+step on every rank and the job stops, rank 0 writing ``DIR/preempted.pt`` with the step saved.
 """
 
 import os
@@ -50,7 +52,7 @@ def arm(point: str, saving: dict) -> tuple[str, int]:
     """Patch the kill into the checkpoint code; returns (phase, step) for the training loop."""
     phase, step, who = point.split(":")
     step = int(step)
-    if phase not in PHASES:
+    if phase not in (*PHASES, "sigterm"):
         raise SystemExit(f"unknown phase {phase!r}")
     if who != "all" and int(who) != int(os.environ.get("RANK", "0")):  # before the process group exists
         return "", -1
@@ -91,7 +93,12 @@ def train(d: Path, kind: str, mode: str, point: str | None = None) -> None:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     counter = Counter()
     manager = shardcore.CheckpointManager(
-        d / "ckpt", keep_last=2, every=2, state_dict_type=kind, async_save={"sync": False, "async": True}[mode]
+        d / "ckpt",
+        keep_last=2,
+        every=2,
+        state_dict_type=kind,
+        async_save={"sync": False, "async": True}[mode],
+        save_on_signal=signal.SIGTERM,
     )
     real_save = manager.save
 
@@ -107,14 +114,18 @@ def train(d: Path, kind: str, mode: str, point: str | None = None) -> None:
     for step in range(start, STEPS):
         loss = loss_fn("llama", model, rt.local_batch(batches[step]))
         loss.backward()
-        if kill_phase == "train" and step == kill_step:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if step == kill_step and kill_phase in ("train", "sigterm"):
+            os.kill(os.getpid(), signal.SIGKILL if kill_phase == "train" else signal.SIGTERM)
         opt.step()
         opt.zero_grad(set_to_none=True)
         sched.step()
         counter.batches += 1
-        if manager.should_save(step + 1):
+        if manager.should_save(step + 1, model):
             manager.save(step + 1, model, opt, scheduler=sched, data=counter)
+        if manager.preempted:
+            manager.close()
+            write(d, "preempted.pt", {"step": step + 1})
+            return
     manager.close()
     if point:
         raise SystemExit(f"the kill at {point} never came")

@@ -189,7 +189,7 @@ class CheckpointManager:
             error = _attempt(lambda: _write_rank_state(tmp, world.rank, state))
             _agree(runtime, error, "writing the ranks' state")
         except BaseException as e:
-            raise self._failed(e, step, final, tmp, world.rank) from e
+            raise self._failed(e, step, final, tmp, world.rank)
         meta = {
             "format": "shardcore-step",
             "version": STEP_FORMAT_VERSION,
@@ -210,7 +210,7 @@ class CheckpointManager:
         try:
             on_rank0(runtime, commit)
         except BaseException as e:
-            raise self._failed(e, step, final, tmp, world.rank) from e
+            raise self._failed(e, step, final, tmp, world.rank)
         if self.keep_last is not None:
             on_rank0(runtime, lambda: self._retain(step))
         return final
@@ -221,11 +221,13 @@ class CheckpointManager:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         if not isinstance(e, Exception):
-            return e
+            return e  # an interrupt goes on as it is
         previous = self._newest_quietly()
         kept = f" The newest complete checkpoint, {previous}, is intact." if previous else ""
         what = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
-        return CheckpointError(f"CheckpointManager.save(step={step}) into {str(final)!r} failed: {what}.{kept}")
+        error = CheckpointError(f"CheckpointManager.save(step={step}) into {str(final)!r} failed: {what}.{kept}")
+        error.__cause__ = e
+        return error
 
     def _settle(self) -> None:
         """Finish the save in flight, if any; its error (on any rank) is raised on every rank."""
@@ -238,7 +240,7 @@ class CheckpointManager:
         try:
             _agree(pending.runtime, error, f"the background save of step {pending.step}")
         except CheckpointError as e:
-            raise self._failed(e, pending.step, pending.final, pending.tmp, pending.runtime.world().rank) from e
+            raise self._failed(e, pending.step, pending.final, pending.tmp, pending.runtime.world().rank)
 
     def _retain(self, newest: int) -> None:
         """Delete this manager's complete steps beyond ``keep_last``; the one just written always

@@ -196,3 +196,15 @@ def untrained_like(optimizer):
     for mine, theirs in zip(fresh.param_groups, optimizer.param_groups):
         mine["lr"] = theirs["lr"]
     return fresh
+
+
+class WritesAsyncSavesNowBackend(FSDP2Backend):
+    """FSDP2 that accepts ``async_save`` and writes its SHARDED checkpoints before ``save()``
+    returns (its background save is the synchronous one): the checkpoint is right, and the training
+    loop waits for the whole write."""
+
+    name = "broken-writes-async-saves-now"
+
+    def async_save_sharded_state_dict(self, model, optimizer, path):
+        self.save_sharded_state_dict(model, optimizer, path)
+        return lambda: None

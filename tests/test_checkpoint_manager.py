@@ -276,6 +276,45 @@ def test_interrupted_retention_leaves_only_whole_steps(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3"]
 
 
+#: phase -> (module, function) an interrupt lands in, in a save's order (workers/ckpt_manager.py
+#: kills real ranks at the same points)
+_SAVE_PHASES = {
+    "staging": ("manifest", "build_manifest"),
+    "rank_state": ("full", "write_encoded"),
+    "model_commit": ("full", "write_full"),
+    "marker": ("mgr", "_commit"),
+}
+
+
+@pytest.mark.parametrize("phase", list(_SAVE_PHASES))
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_save_interrupted_at_any_phase_leaves_the_previous_step_to_restore(tmp_path, monkeypatch, phase, async_save):
+    """The fast tier's kill points: an interrupt in each phase of the save of step 2 (in the
+    background thread for an async save) leaves step 1 as the newest complete step, which restores,
+    and the next save of step 2 completes."""
+    model, opt, *_ = _setup()
+    manager = shardcore.CheckpointManager(tmp_path, keep_last=2, async_save=async_save)
+    manager.save(1, model, opt)
+    manager.wait()
+    owner, name = _SAVE_PHASES[phase]
+    module = {"manifest": shardcore.checkpoint.manifest, "full": shardcore.checkpoint.full, "mgr": mgr}[owner]
+
+    def dies(*a, **k):
+        raise KeyboardInterrupt  # stands in for a kill at this point
+
+    with monkeypatch.context() as m:
+        m.setattr(module, name, dies)
+        with pytest.raises((KeyboardInterrupt, shardcore.CheckpointError)):
+            manager.save(2, model, opt)
+            manager.wait()  # an async save's interrupt ends its thread; the error comes here
+    assert [s for s, _ in manager.checkpoints()] == [1]
+    fresh, fresh_opt, *_ = _setup(seed=5)
+    assert manager.restore(fresh, fresh_opt) == 1
+    manager.save(2, model, opt)
+    manager.close()
+    assert [s for s, _ in manager.checkpoints()] == [1, 2]
+
+
 def test_restore_at_another_world_size_loads_shared_state_and_refuses_per_rank_state(tmp_path, caplog):
     """Written as if by two ranks: state that was the same on both loads on one; state that
     differed (a per-rank data position) is refused by name; the RNG states are not restored."""
@@ -346,6 +385,26 @@ def test_async_save_returns_before_the_write_and_keeps_the_state_it_was_given(tm
     assert manager.restore(fresh, fresh_opt, scheduler=fresh_sched, data=fresh_pos) == 1
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in saved.items())
     assert fresh_pos.index == 4 and fresh_sched.last_epoch == 1
+
+
+@pytest.mark.parametrize(
+    "config, manager_says, background", [(True, None, True), (False, None, False), (True, False, False)]
+)
+def test_the_config_key_async_save_is_the_managers_default(tmp_path, monkeypatch, config, manager_says, background):
+    """A sharded model's ``async_save`` key decides when the manager is not told; the manager's own
+    argument wins over it."""
+    release, started = _blocked_writer(monkeypatch)
+    model = shardcore.shard(_setup()[0], {"auto_wrap_policy": "NO_WRAP", "async_save": config})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    manager = shardcore.CheckpointManager(tmp_path, async_save=manager_says)
+    if not background:
+        release.set()
+    manager.save(1, model, opt)
+    assert started.is_set() if not background else started.wait(60)
+    assert (tmp_path / "step-1").exists() is not background
+    release.set()
+    manager.close()
+    assert [s for s, _ in manager.checkpoints()] == [1]
 
 
 def test_async_save_finishes_the_one_in_flight_before_the_next_and_on_close_and_restore(tmp_path, monkeypatch):

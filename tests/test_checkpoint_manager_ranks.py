@@ -15,7 +15,7 @@ import torch
 from shardcore.checkpoint import manager as mgr
 
 import harness
-from ckpt_helpers import load_pt
+from ckpt_helpers import kill_chain, load_pt, newest_step
 
 pytestmark = pytest.mark.multiprocess
 
@@ -45,23 +45,8 @@ _ALL = [f"{p}:{s}:{w}" for p, (steps, who) in WHERE.items() for s in steps for w
 RANDOM = random.Random(41).sample(sorted(set(_ALL) - set(CHOSEN)), 6)
 
 
-def expected_step(point: str) -> int:
-    """The newest step whose save completed before the kill (0: none)."""
-    phase, step, _ = point.split(":")
-    step = int(step)
-    if phase == "train":
-        return step - step % EVERY
-    return step if phase == "retention" else step - EVERY
-
-
 def _job(d, kind, mode, *point, timeout=300):
     return harness.ranks(2, harness.worker("ckpt_manager"), str(d), kind, mode, *point, timeout=timeout)
-
-
-def _order(point: str) -> tuple[int, int, int]:
-    """Where a point falls in a job: a save's phases at step s come before the training of step s."""
-    phase, step, _ = point.split(":")
-    return int(step), phase == "train", list(WHERE).index(phase)
 
 
 #: (format, save mode) -> the kill points of one chain: the points chosen by hand in two
@@ -87,37 +72,20 @@ def uninterrupted(tmp_path_factory):
     return results
 
 
-def _newest(d) -> int:
-    found, _ = mgr._scan(d / "ckpt")
-    return max((s for s, _ in found), default=0)
-
-
 @pytest.mark.parametrize("kind, mode", list(CHAINS), ids=[f"{k.split('_')[0].lower()}-{m}" for k, m in CHAINS])
 def test_a_job_killed_again_and_again_resumes_each_time_from_the_newest_complete_step(
     tmp_path, uninterrupted, kind, mode
 ):
     """One job, killed at each point of the chain in turn (each restart resumes, then dies at the
     next point), then run to the end: it must end bit for bit where the uninterrupted job ends."""
-    for point in sorted(CHAINS[kind, mode], key=_order):
-        killed = _job(tmp_path, kind, mode, point)
-        assert killed.returncode != 0 and "never came" not in killed.stdout, f"{point}:\n{killed.stdout[-3000:]}"
-        newest, expected = _newest(tmp_path), expected_step(point)
-        # An async save of the step before a kill in training may still have been in flight: then the
-        # one before it is the newest complete. Everywhere else the newest complete step is known.
-        allowed = {expected, max(expected - EVERY, 0)} if mode == "async" and point.startswith("train") else {expected}
-        assert newest in allowed, f"after a kill at {point}, restore would choose step {newest}, not {sorted(allowed)}"
-    assert not (tmp_path / "result.pt").exists()
-    newest = _newest(tmp_path)
-    resumed = _job(tmp_path, kind, mode)
-    assert resumed.returncode == 0, resumed.stdout[-3000:]
-    got, want = load_pt(tmp_path / "result.pt"), uninterrupted[kind]
-    assert got["resumed"] == newest
+    got = kill_chain(lambda d, *point: _job(d, kind, mode, *point), tmp_path, CHAINS[kind, mode], mode)
+    want = uninterrupted[kind]
     assert got["lr"] == want["lr"]
     assert got["state"].keys() == want["state"].keys()
     for k, v in want["state"].items():
         assert torch.equal(got["state"][k], v), f"{k} differs after the kills ({kind}, {mode})"
     # the last run's retention left the last two steps, complete, and removed every leftover
-    assert [s for s, _ in sorted(mgr._scan(tmp_path / "ckpt")[0])] == [STEPS - EVERY, STEPS]
+    assert [s for s, _ in mgr.CheckpointManager(tmp_path / "ckpt").checkpoints()] == [STEPS - EVERY, STEPS]
 
 
 @pytest.mark.parametrize("kind, mode", [("FULL_STATE_DICT", "async"), ("SHARDED_STATE_DICT", "sync")])
@@ -127,7 +95,7 @@ def test_a_sigterm_on_one_rank_saves_the_next_step_on_every_rank_and_stops(tmp_p
     stopped = _job(tmp_path, kind, mode, "sigterm:2:1")
     assert stopped.returncode == 0, stopped.stdout[-3000:]
     assert load_pt(tmp_path / "preempted.pt") == {"step": 3}
-    assert _newest(tmp_path) == 3 and not (tmp_path / "result.pt").exists()
+    assert newest_step(tmp_path) == 3 and not (tmp_path / "result.pt").exists()
     resumed = _job(tmp_path, kind, mode)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     got, want = load_pt(tmp_path / "result.pt"), uninterrupted[kind]

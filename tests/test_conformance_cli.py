@@ -220,6 +220,12 @@ def test_cli_catches_broken_backends(tmp_path, backend, case, expected):
             "cpu_ram_efficient_loading",
         ),
         (
+            "WritesAsyncSavesNowBackend",
+            "llama-async_save-sharded",
+            "background save differs: ",
+            "async_save is set, but rank(s) [0, 1] wrote the model's checkpoint files before save() returned",
+        ),
+        (
             "DropsOptimizerStateBackend",
             "llama-resume,llama-sharded_state_dict",
             "resuming diverged: ",

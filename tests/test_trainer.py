@@ -74,6 +74,100 @@ def test_a_model_sharded_before_the_trainer_trains_and_saves_full(tmp_path, tiny
         assert torch.equal(v, full[k]), k
 
 
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_save_total_limit_rotates_complete_checkpoints_and_true_resumes_the_newest_complete(
+    tmp_path, tiny_llama, monkeypatch, caplog, async_save
+):
+    """The Trainer's rotation and ``resume_from_checkpoint=True`` count only checkpoints whose save
+    finished: a partial ``checkpoint-<N>`` is never resumed, a directory shardcore did not write is
+    never deleted, and a save that dies deletes nothing. The run resumed after the crash ends where an
+    uninterrupted one does. With ``async_save`` each checkpoint is written in the background."""
+    import copy
+    import logging
+
+    import transformers
+
+    from shardcore.checkpoint import manager
+    from shardcore.checkpoint.manager import STEP_MARKER
+    from shardcore.integrations.transformers import Trainer
+
+    backgrounds = []
+    real_background = manager.Background
+
+    def counted(step, *a):
+        backgrounds.append(step)
+        return real_background(step, *a)
+
+    monkeypatch.setattr(manager, "Background", counted)
+
+    out = tmp_path / "out"
+    (out / "checkpoint-100").mkdir(parents=True)  # the user's own, named like a checkpoint
+    (out / "checkpoint-100" / "notes.txt").write_text("mine")
+    (out / "checkpoint-50").mkdir()  # a save that died before its marker
+    (out / "checkpoint-50" / "trainer_state.json").write_text("{}")
+    initial = copy.deepcopy(tiny_llama.state_dict())
+
+    def trainer(steps, directory=out):
+        tiny_llama.load_state_dict(initial)
+        config = {"auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "async_save": async_save}
+        model = shardcore.shard(copy.deepcopy(tiny_llama), config)
+        args = transformers.TrainingArguments(
+            output_dir=str(directory),
+            report_to=[],
+            disable_tqdm=True,
+            max_steps=steps,
+            per_device_train_batch_size=2,
+            save_strategy="steps",
+            save_steps=1,
+            save_total_limit=2,
+            seed=0,
+        )
+        return Trainer(model=model, args=args, train_dataset=_data())
+
+    def listing(hidden=True):
+        prefixes = (".", "checkpoint") if hidden else ("checkpoint",)
+        return sorted(p.name for p in out.iterdir() if p.name.startswith(prefixes))
+
+    def params(t):
+        return {k: v.clone() for k, v in shardcore.handle(t.model).backend.full_state_dict(t.model).items()}
+
+    straight = trainer(6, tmp_path / "straight")
+    straight.train()
+    want = params(straight)
+    assert backgrounds == ([1, 2, 3, 4, 5, 6] if async_save else [])
+
+    # the save of step 5 dies after the model is written, before its marker: nothing is deleted
+    def dies(self, output_dir):
+        if self.state.global_step == 5:
+            raise OSError(28, "No space left on device (injected)")
+        return original(self, output_dir)
+
+    original = transformers.Trainer._save_rng_state
+    monkeypatch.setattr(transformers.Trainer, "_save_rng_state", dies)
+    with pytest.raises(OSError, match="injected"):
+        trainer(6).train()
+    monkeypatch.setattr(transformers.Trainer, "_save_rng_state", original)
+    # (an async save's staging directory stays hidden until the next save of the step)
+    assert listing(hidden=False) == ["checkpoint-100", "checkpoint-3", "checkpoint-4", "checkpoint-5", "checkpoint-50"]
+    assert (out / "checkpoint-4" / STEP_MARKER).is_file() and not (out / "checkpoint-5" / STEP_MARKER).exists()
+
+    resumed = trainer(6)
+    with caplog.at_level(logging.INFO, logger="shardcore"):
+        resumed.train(resume_from_checkpoint=True)
+    assert f"resuming from {out / 'checkpoint-4'}," in caplog.text  # not the partial checkpoint-5
+    for partial in ("checkpoint-5", "checkpoint-50", "checkpoint-100"):
+        assert f"not resuming from {out / partial}:" in caplog.text
+    # checkpoint-5 saved again and marked; the user's directories untouched, no leftovers
+    assert listing() == ["checkpoint-100", "checkpoint-5", "checkpoint-50", "checkpoint-6"]
+    assert (out / "checkpoint-100" / "notes.txt").read_text() == "mine"
+    got = params(resumed)
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+
+    with pytest.raises(shardcore.errors.CheckpointError, match="resume_from_checkpoint=True: .* holds no complete"):
+        trainer(1, tmp_path / "empty").train(resume_from_checkpoint=True)
+
+
 def test_fsdp_with_a_presharded_model_is_refused(tmp_path, tiny_llama):
     from shardcore.integrations.transformers import Trainer
 
@@ -237,6 +331,13 @@ def _check_against_plain(report: dict, plain, backend: str) -> None:
     assert "model.safetensors" in report["FULL_STATE_DICT"]["checkpoint_files"]
     assert "scheduler.pt" in report["SHARDED_STATE_DICT"]["checkpoint_files"]
     assert _max_diff(straight["FULL_STATE_DICT"], straight["SHARDED_STATE_DICT"]) == 0.0
+    asynchronous = report.get("SHARDED_STATE_DICT-async")
+    if asynchronous is not None:  # the FSDP2 worker's: written in the background, the same numbers
+        assert _max_diff(load_file(asynchronous["params"]), straight["SHARDED_STATE_DICT"]) == 0.0
+        resumed = load_file(report["SHARDED_STATE_DICT-async-resumed"]["params"])
+        assert _max_diff(resumed, straight["SHARDED_STATE_DICT"]) == 0.0
+        assert asynchronous["checkpoint_files"] == report["SHARDED_STATE_DICT"]["checkpoint_files"]
+        assert "shardcore-step.json" in asynchronous["checkpoint_files"]
 
 
 @pytest.mark.multiprocess
@@ -251,7 +352,7 @@ def test_fsdp2_trainer_matches_the_plain_trainer_and_resumes(tmp_path, plain_tra
     assert out.returncode == 0, harness.tail(out.stdout, out.stderr)
     report = json.loads(report_path.read_text())
     _check_against_plain(report, plain_trainer, "fsdp2")
-    for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+    for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT", "SHARDED_STATE_DICT-async"):
         run, resumed = report[kind], report[kind + "-resumed"]
         # one reduce-scatter per unit per optimizer step, not one per micro-batch
         assert run["units"] == 3  # 2 decoder layers and the root

@@ -1,6 +1,7 @@
 """XLA checkpoints on CPU PJRT: FULL checkpoints shared with FSDP2 and single-device PyTorch both
 ways, SHARDED checkpoints resuming at other device counts, sliced loading, cpu_ram_efficient_loading,
-and a SHARDED checkpoint of one XLA mode refused by the other.
+a SHARDED checkpoint of one XLA mode refused by the other, and a CheckpointManager's job killed at 32
+points and resumed exactly.
 
 Each XLA run is its own process (tests/workers/xla_*.py); the FSDP2 and plain PyTorch sides run here.
 """
@@ -16,6 +17,7 @@ import shardcore
 from shardcore_conformance.models import build_model
 
 import harness
+from ckpt_helpers import kill_chain, load_pt
 from xla_helpers import worker_json
 
 pytestmark = pytest.mark.xla  # skipped, saying so, where torch_xla is not installed (conftest.py)
@@ -176,3 +178,75 @@ def test_checkpoint_manager_resumes_exactly_on_two_devices(tmp_path, mode):
         assert got[kind] == {"restored": 2, "max_diff": 0.0, "steps": [4, 6]}, (kind, got)
         marker = json.loads((tmp_path / kind / "step-6" / "shardcore-step.json").read_text())
         assert marker["world_size"] == (2 if mode == "fsdp" else 1) and marker["backend"] == "xla"
+
+
+#: (mode, format, saves) -> one job's kill points (workers/xla_manager_kill.py; ckpt_manager.PHASES).
+#: Every rank is a thread of one process, so each kill takes the whole job down. 32 in all, each
+#: phase in every chain; XLA's SHARDED "async" saves are written before save() returns (no
+#: AsyncShardedCheckpoints), so they die where synchronous ones do.
+XLA_CHAINS = {
+    ("fsdp", "FULL_STATE_DICT", "async"): [
+        "train:1", "staging:2", "model_commit:2", "rank_state:4", "marker:4", "train:5", "rename:6", "retention:6",
+    ],
+    ("fsdp", "SHARDED_STATE_DICT", "sync"): [
+        "train:0", "rank_state:2", "marker:2", "rename:2", "staging:4", "model_commit:4", "train:5", "retention:6",
+    ],
+    ("spmd", "FULL_STATE_DICT", "sync"): [
+        "staging:2", "rename:2", "train:3", "model_commit:4", "rename:4", "staging:6", "marker:6", "retention:6",
+    ],
+    ("spmd", "SHARDED_STATE_DICT", "async"): [
+        "model_commit:2", "marker:2", "train:2", "rank_state:4", "rename:4", "rank_state:6", "model_commit:6",
+        "retention:6",
+    ],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def xla_uninterrupted(tmp_path_factory):
+    """Per mode, the job run through without a kill (FULL, synchronous saves), once."""
+    runs = {}
+
+    def get(mode: str):
+        if mode not in runs:
+            d = tmp_path_factory.mktemp(f"uninterrupted-{mode}")
+            out = _xla_job(d, mode, "FULL_STATE_DICT", "sync")
+            assert out.returncode == 0, harness.tail(out.stdout, out.stderr)
+            runs[mode] = load_pt(d / "result.pt")
+            assert runs[mode]["resumed"] == 0
+        return runs[mode]
+
+    return get
+
+
+def _xla_job(d, mode, kind, saves, *point):
+    out = harness.python(
+        harness.worker("xla_manager_kill"),
+        mode,
+        str(d),
+        kind,
+        saves,
+        *point,
+        env=harness.xla_env(2),
+        timeout=300,
+        merge=True,
+    )
+    if point:  # the kill, and nothing else, ended it: a restore that failed would exit with 1
+        assert out.returncode == -9, f"{point}: exit {out.returncode}\n{out.stdout[-3000:]}"
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode, kind, saves", list(XLA_CHAINS), ids=["-".join(c).lower() for c in XLA_CHAINS])
+def test_an_xla_job_killed_again_and_again_resumes_each_time_from_the_newest_complete_step(
+    tmp_path, xla_uninterrupted, mode, kind, saves
+):
+    """XLA FSDP (2 device threads) and SPMD (2 devices) under a CheckpointManager, SIGKILLed at each
+    point of the chain in turn and restarted: each restart resumes from the newest step whose save
+    completed, and the last ends bit for bit where the uninterrupted job ends."""
+    points = [f"{p}:all" for p in XLA_CHAINS[mode, kind, saves]]
+    got = kill_chain(lambda d, *point: _xla_job(d, mode, kind, saves, *point), tmp_path, points, saves)
+    want = xla_uninterrupted(mode)
+    assert got["lr"] == want["lr"] and got["state"].keys() == want["state"].keys()
+    for k, v in want["state"].items():
+        assert torch.equal(got["state"][k], v), f"{k} differs after the kills ({mode}, {kind}, {saves})"
+    assert [s for s, _ in shardcore.CheckpointManager(tmp_path / "ckpt").checkpoints()] == [4, 6]

@@ -350,6 +350,10 @@ def _resume_cases(
                 resume_at=RESUME_AT,
                 family=family,
             )
+    if "async_save" in keys and prefix == "llama":  # written in the background, in each format
+        for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT")[: 1 + ("state_dict_type" in keys)]:
+            name = f"{prefix}-async_save" + ("-sharded" if kind.startswith("SHARDED") else "")
+            add(name, model, {"async_save": True, "state_dict_type": kind}, resume_at=RESUME_AT, family=family)
 
 
 def _peft_installed() -> bool:

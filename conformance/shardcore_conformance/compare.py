@@ -234,6 +234,18 @@ def _compare_effects(v: Verdict, ref: dict[str, Any], got: dict[str, Any], cfg: 
                 _fail(v, problem)
             if compute is not None:
                 _observed(v, "compute dtype", ("mixed_precision",), cfg)
+    writes = got.get("async_save")
+    if writes is not None and cfg.async_save:
+        early = [r for r, w in enumerate(writes) if w["on_caller"]]
+        if early:
+            _fail(
+                v,
+                f"background save differs: async_save is set, but rank(s) {early} wrote the model's checkpoint files "
+                "before save() returned; the training loop waited for the write",
+            )
+        elif not any(w["in_background"] for w in writes):
+            _fail(v, "background save differs: async_save is set, but no rank was seen writing the model's files")
+        _observed(v, "background save", ("async_save",), cfg)
     timeout = got.get("timeout")
     if timeout is not None and "timeout" in cfg.non_default_keys():
         if timeout != cfg.timeout:

@@ -21,6 +21,8 @@ inside a compiled backward runs no Python at all.
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from collections import Counter
 from typing import Any, Iterator
 
@@ -226,3 +228,71 @@ def group_timeout() -> float | None:
         except (AttributeError, RuntimeError):
             continue
     return min(seen) if seen else None
+
+
+class ModelWrites:
+    """Which threads open a save's model files for writing under ``root`` (Python's ``open`` audit
+    event, which DCP's file writer and shardcore's manifest raise): with ``async_save`` no such file
+    may be written by the thread that called ``save()`` before it returned. The ranks' own small
+    state files and the step marker are written before it returns by design, so they do not count.
+
+    Audit hooks cannot be removed: one is installed per process, and records only while a recorder
+    is active."""
+
+    _active: ModelWrites | None = None
+    _installed = False
+    _EXEMPT = ("rank-", "shardcore-step.json", ".shardcore-step.json")
+
+    def __init__(self, root: Any) -> None:
+        import threading
+
+        self.root = os.fspath(root)
+        self.caller = threading.get_ident()
+        self.saving = False
+        self.on_caller = 0  # opened by the caller while save() ran
+        self.in_background = 0  # opened by any other thread
+        if not ModelWrites._installed:
+            sys.addaudithook(ModelWrites._hook)
+            ModelWrites._installed = True
+
+    def start(self) -> ModelWrites:
+        ModelWrites._active = self
+        return self
+
+    def stop(self) -> None:
+        ModelWrites._active = None
+
+    @contextlib.contextmanager
+    def save(self) -> Iterator[None]:
+        self.saving = True
+        try:
+            yield
+        finally:
+            self.saving = False
+
+    def facts(self) -> dict[str, int]:
+        return {"on_caller": self.on_caller, "in_background": self.in_background}
+
+    @staticmethod
+    def _hook(event: str, args: tuple) -> None:
+        w = ModelWrites._active
+        if w is None or event != "open":
+            return
+        try:
+            import threading
+
+            path, mode, flags = args
+            if isinstance(path, int):
+                return
+            path = os.fsdecode(path)
+            writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
+                isinstance(flags, int) and flags > 0 and flags & (os.O_WRONLY | os.O_RDWR)
+            )
+            if not writing or not path.startswith(w.root) or os.path.basename(path).startswith(ModelWrites._EXEMPT):
+                return
+            if threading.get_ident() == w.caller:
+                w.on_caller += int(w.saving)
+            else:
+                w.in_background += 1
+        except Exception:  # noqa: BLE001 - an audit hook must never fail the open it watches
+            return

@@ -33,7 +33,7 @@ from shardcore.ties import retie_like
 
 from .cases import Case
 from .comm import autograd_facts, recorder_for
-from .effects import ModuleCalls, compute_dtype_name, group_timeout, holder_classes, other_weights
+from .effects import ModelWrites, ModuleCalls, compute_dtype_name, group_timeout, holder_classes, other_weights
 from .hardware import DEVICE_ENV, hardware
 from .models import build_model, forward_output, is_lora, lora_base_of, loss_fn, make_batches, probe_batch
 
@@ -167,9 +167,10 @@ def run_case(case: Case, backend: Any | None, rank: int = 0) -> dict[str, Any]:
     step_end = runtime.step_end if isinstance(runtime, StepEnd) else None  # lazy tensors: cut the step's graph
     losses, grad_norms, clip_norms, lrs = [], [], [], []
     placement: dict[str, Any] | None = None
+    facts: dict[str, Any] = {}
     for step, batch in enumerate(make_batches(case.model, case.steps, case.global_batch, case.seed)):
         if backend is not None and step and step == case.resume_at:
-            model, opt, sched = _resumed(case, model, opt, backend, rank)
+            model, opt, sched = _resumed(case, model, opt, backend, rank, facts)
         step_loss = None
         micros = _micro_batches(batch, case.grad_accum)
         if recorder is not None:
@@ -242,6 +243,8 @@ def run_case(case: Case, backend: Any | None, rank: int = 0) -> dict[str, Any]:
         out["timeout"] = group_timeout()
         out["other_weights"] = bool(cfg.cpu_ram_efficient_loading and not case.empty_weights and world_size > 1)
         out["resumed_at"] = case.resume_at or None
+        if "async_save" in facts:
+            out["async_save"] = _every_rank(runtime, facts["async_save"])
         out["checkpoint"] = checkpoint_round_trip(case, model, runtime, state, probe, step_end)
     _note_progress(case, backend, runtime, time.time() - t0)
     return out
@@ -299,18 +302,42 @@ def _sharded(case: Case, model: nn.Module, backend: Any, rank: int) -> nn.Module
     return model
 
 
-def _resumed(case: Case, model: nn.Module, opt: torch.optim.Optimizer, backend: Any, rank: int) -> tuple:
+def _resumed(
+    case: Case, model: nn.Module, opt: torch.optim.Optimizer, backend: Any, rank: int, facts: dict[str, Any]
+) -> tuple:
     """Save ``model`` and ``opt`` after ``case.resume_at`` steps (in the config's format), then build a
-    new model from another seed, shard it, give it a new optimizer and schedule, and load both."""
+    new model from another seed, shard it, give it a new optimizer and schedule, and load both. With
+    ``async_save``, ``facts["async_save"]`` says which threads wrote the model's files
+    (:class:`.effects.ModelWrites`)."""
     import shardcore
 
     path = _scratch_dir(case) / "resume"
-    shardcore.save(model, path, opt)
+    manager = writes = None
+    if shardcore.parse_config(case.config).async_save:
+        # through a CheckpointManager, which writes in the background by the config's key; the old
+        # model then changes in place, as the next step would, while the write may still go on
+        manager = shardcore.CheckpointManager(path, keep_last=1)
+        writes = ModelWrites(path).start()  # until restore() has finished the write
+        with writes.save():
+            manager.save(case.resume_at, model, opt)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    else:
+        shardcore.save(model, path, opt)
     fresh = fresh_model(case)
     freeze(fresh, case.frozen)
     fresh = _sharded(replace(case, empty_weights=False), fresh, backend, rank)
     new_opt = _optimizer(case, fresh)
-    shardcore.load(fresh, path, new_opt)
+    if manager is None:
+        shardcore.load(fresh, path, new_opt)
+    else:
+        try:
+            manager.restore(fresh, new_opt)  # first finishes the write in flight
+        finally:
+            writes.stop()
+        manager.close()
+        facts["async_save"] = writes.facts()
     return fresh, new_opt, _schedule(case, new_opt, done=case.resume_at)
 
 

@@ -57,7 +57,7 @@ def prepare_destination(final: Path, marker: str = MANIFEST) -> Path:
     return tmp
 
 
-def _fsync(path: Path) -> None:
+def fsync(path: Path) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -73,8 +73,8 @@ def commit(tmp: Path, final: Path) -> None:
     for f in tmp.rglob("*"):
         if f.is_file() and not f.is_symlink():  # chmod follows a symlink; the save owns only its own files
             f.chmod(0o666 & ~umask)  # safetensors writes 0600 files; a checkpoint is meant to be shared
-            _fsync(f)
-    _fsync(tmp)
+            fsync(f)
+    fsync(tmp)
     if not final.exists():
         os.rename(tmp, final)
     elif not _exchange(tmp, final):
@@ -85,7 +85,7 @@ def commit(tmp: Path, final: Path) -> None:
         os.rename(final, old)
         os.rename(tmp, final)
         tmp = old
-    _fsync(final.parent)
+    fsync(final.parent)
     shutil.rmtree(tmp, ignore_errors=True)  # now the previous checkpoint (or nothing)
     for stale in final.parent.glob(f".{final.name}{TMP_TAG}*"):  # left by saves that were killed
         shutil.rmtree(stale, ignore_errors=True)

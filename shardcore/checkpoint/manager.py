@@ -50,7 +50,10 @@ log = logging.getLogger(__name__)
 STEP_MARKER = "shardcore-step.json"
 MODEL_DIR = "model"
 STEP_FORMAT_VERSION = 1
-_STEP_NAME = re.compile(r"step-(\d+)")
+STEP_PREFIX = "step"
+#: the marker's format for a CheckpointManager's step; the Trainer's checkpoints have their own
+STEP_FORMAT = "shardcore-step"
+TRAINER_FORMAT = "shardcore-trainer-checkpoint"
 _DELETING_TAG = ".shardcore-deleting-"
 #: extra-state keys that the manager writes itself
 _RESERVED = frozenset({"rng"})
@@ -65,7 +68,8 @@ class CheckpointManager:
     restore the newest complete one. Collective like :func:`shardcore.save`: every rank makes the
     same calls with the same steps.
 
-    ``state_dict_type`` is the model's format (None: the config's). ``save_on_signal`` (for example
+    ``state_dict_type`` is the model's format and ``async_save`` whether saves are written in the
+    background (None: the config's keys of those names). ``save_on_signal`` (for example
     ``signal.SIGTERM``) installs a handler in the main thread: once any rank receives it,
     :meth:`should_save` is true on every rank at the next step, and :attr:`preempted` tells the loop
     to stop after that save.
@@ -76,7 +80,7 @@ class CheckpointManager:
         directory: str | os.PathLike,
         keep_last: int | None = 3,
         every: int | None = None,
-        async_save: bool = False,
+        async_save: bool | None = None,
         state_dict_type: str | None = None,
         save_on_signal: int | None = None,
     ) -> None:
@@ -90,10 +94,10 @@ class CheckpointManager:
                 f"CheckpointManager: every={every!r} is not a positive integer. Pass the number of steps between "
                 "saves, or None to save only when you call save() (or on save_on_signal)."
             )
-        if not isinstance(async_save, bool):
+        if async_save is not None and not isinstance(async_save, bool):
             raise CheckpointError(
                 f"CheckpointManager: async_save={async_save!r} is not a bool. Pass True to write in the background, "
-                "or False."
+                "False, or None for the model's config key async_save."
             )
         if state_dict_type is not None:
             state_dict_type = resolve_state_dict_type(state_dict_type, None)
@@ -103,7 +107,7 @@ class CheckpointManager:
         self.async_save = async_save
         self.state_dict_type = state_dict_type
         self.preempted = False
-        self._pending: _Background | None = None
+        self._pending: Background | None = None
         self._signal_seen = False
         self._signal = None
         self._previous_handler: Any = None
@@ -169,11 +173,12 @@ class CheckpointManager:
                 f"CheckpointManager.save: step={step!r} is not an integer >= 0. Pass the step number."
             )
         _check_stateful(state, "save")
-        runtime, _ = runtime_of(model)
+        runtime, cfg = runtime_of(model)
         self._settle()
         world = runtime.world()
         final = step_dir(self.directory, step)
-        background = self.async_save and not self.preempted  # a preempted process exits after this save
+        asynchronous = self.async_save if self.async_save is not None else bool(cfg and cfg.async_save)
+        background = asynchronous and not self.preempted  # a preempted process exits after this save
         tmp = Path(on_rank0(runtime, lambda: str(_prepare(final))))
         try:
             staged = stage(
@@ -187,11 +192,11 @@ class CheckpointManager:
                     step,
                 )
             error = _attempt(lambda: _write_rank_state(tmp, world.rank, state))
-            _agree(runtime, error, "writing the ranks' state")
+            agree(runtime, error, "writing the ranks' state")
         except BaseException as e:
             raise self._failed(e, step, final, tmp, world.rank)
         meta = {
-            "format": "shardcore-step",
+            "format": STEP_FORMAT,
             "version": STEP_FORMAT_VERSION,
             "step": step,
             "world_size": world.size,
@@ -205,7 +210,7 @@ class CheckpointManager:
             log.info("shardcore: saved step %d to %s", step, final)
 
         if background:
-            self._pending = _Background(step, final, tmp, runtime, commit if world.rank == 0 else staged.wait)
+            self._pending = Background(step, final, tmp, runtime, commit if world.rank == 0 else staged.wait)
             return final
         try:
             on_rank0(runtime, commit)
@@ -238,36 +243,20 @@ class CheckpointManager:
         if error is None and pending.runtime.world().rank == 0 and self.keep_last is not None:
             error = _attempt(lambda: self._retain(pending.step))
         try:
-            _agree(pending.runtime, error, f"the background save of step {pending.step}")
+            agree(pending.runtime, error, f"the background save of step {pending.step}")
         except CheckpointError as e:
             raise self._failed(e, pending.step, pending.final, pending.tmp, pending.runtime.world().rank)
 
     def _retain(self, newest: int) -> None:
-        """Delete this manager's complete steps beyond ``keep_last``; the one just written always
-        stays. Each is renamed away first, so an interrupted delete leaves no partial ``step-<N>``."""
-        steps = [s for s, _ in self.checkpoints()]
-        keep = set(sorted(steps, reverse=True)[: self.keep_last]) | {newest}
-        for s in steps:
-            if s in keep:
-                continue
-            victim = step_dir(self.directory, s)
-            doomed = self.directory / f".{victim.name}{_DELETING_TAG}{uuid.uuid4().hex[:8]}"
-            try:
-                os.rename(victim, doomed)
-            except OSError as e:
-                log.warning("shardcore: could not delete old checkpoint %s (%s); it stays", victim, e)
-                continue
-            _remove(doomed)
-            log.info("shardcore: deleted old checkpoint %s (keep_last=%d)", victim, self.keep_last)
-        for leftover in self.directory.glob(f".step-*{_DELETING_TAG}*"):  # a delete that was killed
-            _remove(leftover)
+        """Delete this manager's complete steps beyond ``keep_last``; the one just written stays."""
+        rotate(self.directory, STEP_PREFIX, self.checkpoints(), self.keep_last, {step_dir(self.directory, newest)})
 
     # ---------------------------------------------------------------------------------- restore
 
     def checkpoints(self) -> list[tuple[int, Path]]:
         """This manager's complete checkpoints, ``(step, path)`` oldest first (read on this rank)."""
-        found, _ = _scan(self.directory)
-        return sorted(found)
+        found, _ = scan(self.directory, STEP_PREFIX, _incomplete)
+        return sorted((step, path) for step, path, _ in found)
 
     def latest(self) -> tuple[int, Path] | None:
         """The newest complete checkpoint, or None."""
@@ -292,13 +281,13 @@ class CheckpointManager:
         world = runtime.world()
 
         def choose() -> tuple[int, str, dict[str, Any]] | None:
-            found, skipped = _scan(self.directory)
+            found, skipped = scan(self.directory, STEP_PREFIX, _incomplete)
             for path, why in skipped:
                 log.warning("shardcore: not restoring %s: %s", path, why)
             if not found:
                 return None
-            step, path = max(found)
-            return step, str(path), read_json(path, STEP_MARKER, "the step marker")
+            step, path, meta = max(found)
+            return step, str(path), meta
 
         chosen = on_rank0(runtime, choose)
         if chosen is None:
@@ -318,7 +307,7 @@ class CheckpointManager:
         saved_world = int(meta.get("world_size", 0))
         error = _attempt(lambda: _read_rank_state(path, world.rank, world.size, saved_world, state))
         try:
-            _agree(runtime, error, "restoring the ranks' state")
+            agree(runtime, error, "restoring the ranks' state")
         except CheckpointError as e:
             raise CheckpointError(f"CheckpointManager.restore: step {step} from {str(path)!r}: {e}") from e
         log.info("shardcore: restored step %d from %s", step, path)
@@ -338,7 +327,7 @@ class CheckpointManager:
                 self._signal = None
 
 
-class _Background:
+class Background:
     """A save's rank-local rest (rank 0: write, commit; the others: their own SHARDED shards), in a
     thread. Not a daemon: an interpreter that exits first waits for the write."""
 
@@ -391,19 +380,19 @@ def _prepare(final: Path) -> Path:
 
 
 def _commit(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
-    (tmp / STEP_MARKER).write_text(json.dumps(meta, indent=2) + "\n")
+    write_marker(tmp, meta)
     atomic.commit(tmp, final)
 
 
 def _attempt(fn: Any) -> BaseException | None:
     try:
         fn()
-    except Exception as e:  # noqa: BLE001 - every rank learns of it in _agree
+    except Exception as e:  # noqa: BLE001 - every rank learns of it in agree
         return e
     return None
 
 
-def _agree(runtime: Any, error: BaseException | None, doing: str) -> None:
+def agree(runtime: Any, error: BaseException | None, doing: str) -> None:
     """Every rank raises if any rank failed (a collective): no rank goes on to commit a step that
     another rank could not write."""
     world = runtime.world()
@@ -415,46 +404,107 @@ def _agree(runtime: Any, error: BaseException | None, doing: str) -> None:
         raise CheckpointError(f"{doing}, {failures} other rank(s) failed; their errors say why")
 
 
-def _scan(directory: Path) -> tuple[list[tuple[int, Path]], list[tuple[Path, str]]]:
-    """Complete steps, and the ``step-<N>`` directories that are not, each with the reason."""
-    found: list[tuple[int, Path]] = []
+def scan(
+    directory: Path, prefix: str, incomplete: Any
+) -> tuple[list[tuple[int, Path, dict[str, Any]]], list[tuple[Path, str]]]:
+    """The complete ``<prefix>-<N>`` directories as ``(N, path, marker)``, and those that are not,
+    each with the reason. ``incomplete(path, N, marker)`` says what else a complete one holds."""
+    found: list[tuple[int, Path, dict[str, Any]]] = []
     skipped: list[tuple[Path, str]] = []
     if not directory.is_dir():
         return found, skipped
+    name = re.compile(rf"{re.escape(prefix)}-(\d+)")
     for p in directory.iterdir():
-        m = _STEP_NAME.fullmatch(p.name)
+        m = name.fullmatch(p.name)
         if m is None or not p.is_dir() or p.is_symlink():
             continue
-        why = _incomplete(p, int(m.group(1)))
+        step = int(m.group(1))
+        meta, why = read_marker(p, step, STEP_FORMAT if prefix == STEP_PREFIX else TRAINER_FORMAT)
         if why is None:
-            found.append((int(m.group(1)), p))
+            why = incomplete(p, step, meta)
+        if why is None:
+            found.append((step, p, meta))
         else:
             skipped.append((p, why))
-    for p in directory.glob(f".step-*{atomic.TMP_TAG}*"):
+    for p in directory.glob(f".{prefix}-*{atomic.TMP_TAG}*"):
         skipped.append((p, "a save that did not finish (its temporary directory)"))
     return found, skipped
 
 
-def _incomplete(path: Path, step: int) -> str | None:
-    """Why ``path`` is not a complete step, or None."""
+def read_marker(path: Path, step: int, fmt: str) -> tuple[dict[str, Any], str | None]:
+    """``path``'s marker, and why it does not mark ``path`` as a complete save of ``step`` (None if it does)."""
     if not (path / STEP_MARKER).is_file():
-        return f"no {STEP_MARKER}, so its save did not finish, or a CheckpointManager did not write it"
+        return {}, f"no {STEP_MARKER}, so its save did not finish, or shardcore did not write it"
     try:
         meta = read_json(path, STEP_MARKER, "the step marker")
     except CheckpointError as e:
-        return str(e)
-    if not isinstance(meta, dict) or meta.get("format") != "shardcore-step":
-        return f"its {STEP_MARKER} is not a shardcore step marker"
+        return {}, str(e)
+    if not isinstance(meta, dict) or meta.get("format") != fmt:
+        return {}, f"its {STEP_MARKER} is not a marker of format {fmt!r}"
     if meta.get("version") != STEP_FORMAT_VERSION:
-        return f"its {STEP_MARKER} has version {meta.get('version')!r}; this shardcore reads {STEP_FORMAT_VERSION}"
+        return (
+            meta,
+            f"its {STEP_MARKER} has version {meta.get('version')!r}; this shardcore reads {STEP_FORMAT_VERSION}",
+        )
     if meta.get("step") != step:
-        return f"its {STEP_MARKER} says step {meta.get('step')!r}, not {step}"
-    if not manifest.is_checkpoint(path / MODEL_DIR):
-        return f"it has no complete model checkpoint ({MODEL_DIR}/{manifest.MANIFEST} missing)"
+        return meta, f"its {STEP_MARKER} says step {meta.get('step')!r}, not {step}"
     world = meta.get("world_size")
     if not isinstance(world, int) or world < 1:
-        return f"its {STEP_MARKER} has world_size {world!r}"
-    missing = [r for r in range(world) if not (path / f"{_rank_name(r)}.json").is_file()]
+        return meta, f"its {STEP_MARKER} has world_size {world!r}"
+    return meta, None
+
+
+def write_marker(path: Path, meta: dict[str, Any]) -> None:
+    """Mark ``path`` complete: the marker appears whole or not at all, after everything else."""
+    part = path / f".{STEP_MARKER}{atomic.TMP_TAG}{uuid.uuid4().hex[:8]}"
+    part.write_text(json.dumps({"version": STEP_FORMAT_VERSION, **meta}, indent=2) + "\n")
+    atomic.fsync(part)
+    os.replace(part, path / STEP_MARKER)
+    atomic.fsync(path)
+
+
+def rotate(directory: Path, prefix: str, complete: list, keep: int | None, protected: set[Path]) -> None:
+    """Delete the oldest of the ``complete`` checkpoints (``(N, path, ...)``) until ``keep`` are left,
+    never one in ``protected`` (the Trainer's rule: ``max(keep, len(protected))`` stay). Only complete
+    checkpoints are counted or deleted, so a save in progress or a directory shardcore did not write
+    is never touched, and neither is the newest complete one. Each is renamed away first: an
+    interrupted delete leaves no partial one."""
+    if keep is not None and complete:
+        complete = sorted(complete, key=lambda c: c[0])
+        # the newest by step too: after a run resumed from an older step, it is what a resume picks
+        protected = {Path(p) for p in protected} | {complete[-1][1]}
+        left = len(complete)
+        for entry in complete:
+            victim = entry[1]
+            if left <= max(keep, len(protected)):
+                break
+            if victim in protected:
+                continue
+            if discard(victim):
+                left -= 1
+                log.info("shardcore: deleted old checkpoint %s (keeping %d)", victim, keep)
+    for leftover in directory.glob(f".{prefix}-*{_DELETING_TAG}*"):  # a delete that was killed
+        _remove(leftover)
+
+
+def discard(path: Path) -> bool:
+    """Delete a checkpoint directory, renamed away first so that no partial one is ever seen under
+    its name. False (with a warning) where it cannot be renamed."""
+    doomed = path.parent / f".{path.name}{_DELETING_TAG}{uuid.uuid4().hex[:8]}"
+    try:
+        os.rename(path, doomed)
+    except OSError as e:
+        log.warning("shardcore: could not delete checkpoint %s (%s); it stays", path, e)
+        return False
+    _remove(doomed)
+    return True
+
+
+def _incomplete(path: Path, step: int, meta: dict[str, Any]) -> str | None:
+    """Why the marked ``path`` is not a complete step, or None."""
+    if not manifest.is_checkpoint(path / MODEL_DIR):
+        return f"it has no complete model checkpoint ({MODEL_DIR}/{manifest.MANIFEST} missing)"
+    missing = [r for r in range(meta["world_size"]) if not (path / f"{_rank_name(r)}.json").is_file()]
     if missing:
         return f"the state of rank(s) {missing[:4]} is missing"
     return None

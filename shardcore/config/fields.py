@@ -285,6 +285,7 @@ VALIDATORS = {
     "min_num_params": _min_num_params,
     "cpu_offload": as_bool,
     "state_dict_type": _choice(STATE_DICT_TYPES),
+    "async_save": as_bool,
     "cpu_ram_efficient_loading": as_bool,
     "activation_checkpointing": as_bool,
     "mixed_precision": _mixed_precision,

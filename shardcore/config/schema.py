@@ -65,6 +65,9 @@ class ShardConfig:
     min_num_params: int = 0
     cpu_offload: bool = False
     state_dict_type: str = "FULL_STATE_DICT"
+    # checkpoints of the Trainer's save_strategy and of a CheckpointManager (its default) are written
+    # in the background once the state is in CPU memory
+    async_save: bool = False
     cpu_ram_efficient_loading: bool = False
     activation_checkpointing: bool = False
     mixed_precision: MixedPrecision | None = None

@@ -30,6 +30,7 @@ Transformers is imported when this module is; the core never imports this module
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import os
@@ -49,9 +50,11 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from .. import api, loop
 from ..capabilities import RenamesParameters
 from ..checkpoint import load as _sc_load
+from ..checkpoint import manager as _manager
 from ..checkpoint import save as _sc_save
+from ..checkpoint.manifest import is_checkpoint
 from ..config import ShardConfig, parse_config
-from ..errors import ShardConfigError
+from ..errors import CheckpointError, ShardConfigError
 from ._environ import thread_scoped_clear_environment
 
 log = logging.getLogger(__name__)
@@ -402,6 +405,20 @@ class ShardcoreTrainerMixin:
                 )
         return out
 
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, *args: Any, **kwargs: Any):
+        if self._shardcore_config is None:
+            return super().train(resume_from_checkpoint, trial, *args, **kwargs)
+        resume_from_checkpoint = _resolve_resume(Path(self.args.output_dir), resume_from_checkpoint)
+        try:
+            out = super().train(resume_from_checkpoint, trial, *args, **kwargs)
+        except BaseException:
+            pending, self._shardcore_pending = getattr(self, "_shardcore_pending", None), None
+            if pending is not None:
+                pending.join()  # its error is the lesser one; no collective while ranks fail
+            raise
+        self._shardcore_settle()
+        return out
+
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
         if self._shardcore_config is None:
             return super()._wrap_model(model, training, dataloader)
@@ -534,8 +551,12 @@ class ShardcoreTrainerMixin:
         if getattr(self, "_shardcore_checkpoint", False):
             # a save_strategy checkpoint: the config's format, with the optimizer, for resuming
             optimizer = None if self.args.save_only_model else self.optimizer
-            _sc_save(model, output_dir, optimizer)
+            if self._shardcore_config.async_save:
+                self._shardcore_stage(model, Path(output_dir), optimizer)
+            else:
+                _sc_save(model, output_dir, optimizer)
         else:
+            self._shardcore_settle()
             _save_full_into(model, Path(output_dir))
         if self.args.should_save:
             if self.processing_class is not None:
@@ -548,6 +569,11 @@ class ShardcoreTrainerMixin:
     def _save_checkpoint(self, model, trial) -> None:
         if self._shardcore_config is None:
             return super()._save_checkpoint(model, trial)
+        self._shardcore_settle()
+        run_dir = Path(self._get_output_dir(trial=trial))
+        output_dir = run_dir / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        if self.args.should_save:
+            _clear_unfinished(output_dir, also_complete=bool(self._shardcore_config.async_save))
         self._shardcore_checkpoint = True
         best = self.state.best_global_step
         hide_best = best and self._shardcore_on_xla
@@ -557,21 +583,77 @@ class ShardcoreTrainerMixin:
             # rendezvous (XLA's 10 s termination, seen here); save_model has already waited, with the
             # backend's barrier. What the Trainer does after the wait is done here, before the state
             # file is written: the best checkpoint is this one, or one an earlier save left.
-            run_dir = self._get_output_dir(trial=trial)
             best_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")
             if best == self.state.global_step or os.path.exists(best_dir):
                 self.state.best_model_checkpoint = best_dir
             self.state.best_global_step = None
+        # The Trainer rotates by modification time before anything marks the checkpoint complete, and
+        # counts directories it did not write: here save_total_limit applies once this one is marked.
+        args, self.args = self.args, copy.copy(self.args)
+        self.args.save_total_limit = None
         try:
             super()._save_checkpoint(model, trial)
         finally:
+            self.args = args
             self._shardcore_checkpoint = False
             if hide_best:
                 self.state.best_global_step = best
         if hide_best and self.args.should_save:
             # written by the Trainer while best_global_step was hidden
-            output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-            self.state.save_to_json(os.path.join(output_dir, TRAINER_STATE_NAME))
+            self.state.save_to_json(str(output_dir / TRAINER_STATE_NAME))
+        h = api.handle(self._shardcore_model())
+        h.barrier()  # every rank's RNG state is written
+        step, best_dir = self.state.global_step, self.state.best_model_checkpoint
+        limit = self.args.save_total_limit if self.args.save_total_limit and self.args.save_total_limit > 0 else None
+        meta = {"format": _manager.TRAINER_FORMAT, "step": step, "world_size": h.world_size, "backend": h.backend.name}
+
+        def complete() -> None:  # the checkpoint's main process; no collective, so it may run in a thread
+            _manager.write_marker(output_dir, meta)
+            found, _ = _manager.scan(run_dir, PREFIX_CHECKPOINT_DIR, _trainer_checkpoint_problem)
+            protected = {output_dir} | ({Path(best_dir)} if best_dir else set())
+            _manager.rotate(run_dir, PREFIX_CHECKPOINT_DIR, found, limit, protected)
+
+        staged = getattr(self, "_shardcore_staged", None)
+        self._shardcore_staged = None
+        if staged is None:
+            if self.args.should_save:
+                complete()
+            return
+
+        # async_save: the model is bound for a hidden sibling; the Trainer's files written here move
+        # into it, and once the model is written it takes this directory's place, then is marked
+        def finish() -> None:
+            for f in list(output_dir.iterdir()):
+                os.replace(f, staged.tmp / f.name)
+            staged.write()
+            complete()
+
+        work = finish if self.args.should_save else staged.wait
+        self._shardcore_pending = _manager.Background(step, output_dir, staged.tmp, h.backend, work)
+
+    def _shardcore_stage(self, model: nn.Module, final: Path, optimizer: Any) -> None:
+        """The collective half of an async checkpoint: the state in CPU memory, bound for a hidden
+        sibling of ``final``, which the Trainer's own files go into meanwhile."""
+        from ..checkpoint import stage
+
+        self._shardcore_staged = stage(model, final, optimizer, background=True)
+        if self.args.should_save:
+            final.mkdir(parents=True, exist_ok=True)
+
+    def _shardcore_settle(self) -> None:
+        """Finish the async checkpoint in flight; an error on any rank is raised on every rank,
+        naming the step. Collective."""
+        pending, self._shardcore_pending = getattr(self, "_shardcore_pending", None), None
+        if pending is None:
+            return
+        error = pending.join()
+        try:
+            _manager.agree(pending.runtime, error, f"the background save of {pending.final}")
+        except CheckpointError as e:
+            raise CheckpointError(
+                f"the Trainer's checkpoint of step {pending.step} ({str(pending.final)!r}) was not completed: {e}. "
+                "It has no marker, so resume_from_checkpoint=True skips it."
+            ) from e
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if self._shardcore_config is None:
@@ -610,6 +692,55 @@ class ShardcoreTrainerMixin:
         if self._shardcore_config is None:
             return super()._load_best_model()
         _sc_load(self._shardcore_model(), self.state.best_model_checkpoint)
+
+
+def _clear_unfinished(path: Path, also_complete: bool) -> None:
+    """Set aside a ``checkpoint-<N>`` whose save died before its marker (the Trainer writes into the
+    directory of its step in any case): the save of step N starts from an empty one. An async save
+    gathers the Trainer's files in it, so a complete one of the same step goes too."""
+    if not path.is_dir() or path.is_symlink() or (not also_complete and (path / _manager.STEP_MARKER).is_file()):
+        return
+    ours = ("shardcore.json", TRAINER_STATE_NAME, SCHEDULER_NAME, TRAINING_ARGS_NAME)
+    if any((path / name).exists() for name in ours) or any(path.glob("rng_state*.pth")):
+        log.warning("shardcore: %s holds a checkpoint whose save did not finish; replacing it", path)
+        _manager.discard(path)
+
+
+def _trainer_checkpoint_problem(path: Path, step: int, meta: dict[str, Any]) -> str | None:
+    """Why a marked ``checkpoint-<N>`` cannot be resumed, or None."""
+    if not is_checkpoint(path):
+        return "it holds no complete shardcore checkpoint of the model"
+    if not (path / TRAINER_STATE_NAME).is_file():
+        return f"it has no {TRAINER_STATE_NAME}"
+    return None
+
+
+def _resolve_resume(output_dir: Path, resume: str | bool | None) -> str | None:
+    """``resume_from_checkpoint`` as a path: for True, the newest ``checkpoint-<N>`` whose save
+    finished (the Trainer's own choice is the highest number, complete or not)."""
+    if resume is None or resume is False:
+        return None
+    if resume is not True:
+        path = Path(resume)
+        if path.is_dir() and not (path / _manager.STEP_MARKER).is_file():
+            log.warning(
+                "shardcore: %s has no %s, so its save may not have finished; resuming from it as asked",
+                path,
+                _manager.STEP_MARKER,
+            )
+        return str(resume)
+    found, skipped = _manager.scan(output_dir, PREFIX_CHECKPOINT_DIR, _trainer_checkpoint_problem)
+    for path, why in skipped:
+        log.warning("shardcore: not resuming from %s: %s", path, why)
+    if not found:
+        raise CheckpointError(
+            f"resume_from_checkpoint=True: {str(output_dir)!r} holds no complete {PREFIX_CHECKPOINT_DIR}-<N> "
+            f"({len(skipped)} incomplete or not written by shardcore's Trainer). Pass resume_from_checkpoint=None to "
+            "start afresh, or the path of a checkpoint."
+        )
+    step, path, _ = max(found)
+    log.info("shardcore: resuming from %s, the newest complete checkpoint", path)
+    return str(path)
 
 
 def _shardcore_no_sync(model: nn.Module | None = None) -> contextlib.AbstractContextManager:

@@ -4,7 +4,8 @@ tests/test_trainer.py.
 ``reference OUT``: ``transformers.Trainer`` on one process, the whole global batch per device.
 ``sharded OUT``: the shardcore Trainer on the ranks torchrun started, ``fsdp=True`` with the
 fsdp_config below, per-device batch = global / world size. Four runs in one launch: FULL and SHARDED
-configs trained straight through (each saving a checkpoint at the middle step), then each resumed
+configs trained straight through (each saving a checkpoint at the middle step; SHARDED once more with
+``async_save``), then each resumed
 from its own middle checkpoint. Every run writes its final parameters (a FULL save_model, loaded
 back with from_pretrained) and the reduce-scatters counted per optimizer step.
 ``sft OUT``: TRL's SFTTrainer with ShardcoreTrainerMixin on the ranks, a LoRA adapter; writes the
@@ -113,6 +114,14 @@ class Counter:
         return counted
 
 
+#: the runs of ``sharded``: each name's fsdp_config on top of FSDP_CONFIG
+RUNS = {
+    "FULL_STATE_DICT": {"state_dict_type": "FULL_STATE_DICT"},
+    "SHARDED_STATE_DICT": {"state_dict_type": "SHARDED_STATE_DICT"},
+    "SHARDED_STATE_DICT-async": {"state_dict_type": "SHARDED_STATE_DICT", "async_save": True},
+}
+
+
 def sharded_run(root: Path, kind: str, counter: Counter, resume: str | None = None) -> dict:
     from torch.distributed.fsdp import FSDPModule
     from transformers import AutoModelForCausalLM, TrainerCallback
@@ -135,7 +144,7 @@ def sharded_run(root: Path, kind: str, counter: Counter, resume: str | None = No
         GLOBAL // ACCUM // world,
         use_cpu=True,  # on a machine without GPUs accelerate is multi-process only with it (as for DDP)
         fsdp=True,
-        fsdp_config={**FSDP_CONFIG, "state_dict_type": kind},
+        fsdp_config={**FSDP_CONFIG, **RUNS[kind]},
         save_strategy="steps",
         save_steps=STEPS // 2,
         per_device_eval_batch_size=GLOBAL // world,
@@ -164,7 +173,7 @@ def run_sharded(out: str) -> None:
     counter = Counter()
     root = Path(out).parent
     report = {}
-    for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+    for kind in RUNS:
         report[kind] = sharded_run(root, kind, counter)
         middle = root / kind / f"checkpoint-{STEPS // 2}"
         report[kind + "-resumed"] = sharded_run(root, kind, counter, resume=str(middle))

@@ -67,6 +67,7 @@ class FSDP2Backend(
             "mixed_precision",
             "timeout",
             "state_dict_type",
+            "async_save",
             "cpu_ram_efficient_loading",
             "dp_replicate_size",
             "dp_shard_size",

@@ -7,8 +7,9 @@ for FULL and for SHARDED checkpoints. For each save it records:
 
 * ``blocked_s``: the wall time of ``save()``, which is what the loop waits for;
 * ``done_s`` (async): the time until the write was committed (``wait()``);
-* ``staged_bytes``: the CPU memory an async save holds while it writes: the gathered state on
-  rank 0 for FULL, each rank's shards of the model and the optimizer for SHARDED.
+* ``staged_bytes``: the CPU memory an async save holds while it writes: each rank's copy of its
+  shards of the model and the optimizer (FSDP2 keeps it from one save to the next), and for FULL on
+  rank 0 the whole state the background gather builds.
 
 It prints median(async blocked) / median(sync blocked) per format (goal <= 0.25) and writes
 ``bench/results/checkpoint.json``.
@@ -47,12 +48,10 @@ def _staged_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer, kind: str,
     shards = sum(local(p) for p in params) + sum(
         local(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0
     )
-    if kind == "SHARDED_STATE_DICT":
+    if kind == "SHARDED_STATE_DICT" or rank != 0:
         return shards
-    if rank != 0:
-        return 0
     whole = sum(p.numel() * p.element_size() for p in params)
-    return whole * 3  # the weights, and AdamW's two moments, gathered
+    return shards + whole * 3  # and, while the background gather runs, the weights and AdamW's moments
 
 
 def _rank(rank: int, world: int, size: str, repeats: int, root: str) -> dict:

@@ -66,6 +66,20 @@ class AsyncShardedCheckpoints(Protocol):
 
 
 @runtime_checkable
+class AsyncFullCheckpoints(Protocol):
+    """``CheckpointManager(async_save=True)`` with FULL_STATE_DICT: the loop waits only while each
+    rank copies its own shards to CPU memory; the gather to rank 0 runs in the background."""
+
+    def snapshot_full_state_dict(self, model: nn.Module, optimizer: Any | None) -> Callable[[], tuple[dict, Any]]:
+        """Copy this rank's shards of the model's and the optimizer's state into CPU memory.
+        Returns a function that gathers them into what :meth:`Backend.full_state_dict` and
+        ``full_optimizer_state_dict`` return (rank 0: ``(state, osd or None)``; the others:
+        ``({}, None)``). Every rank calls it, from a thread: its collectives use a process group of
+        its own, never the training loop's."""
+        ...
+
+
+@runtime_checkable
 class StepEnd(Protocol):
     """Lazy-tensor backends (XLA): cut and run the step's graph after ``optimizer.step()``
     (``shardcore.handle(model).step_end()``, a no-op without the capability)."""
@@ -247,6 +261,7 @@ class RenamesParameters(Protocol):
 CAPABILITIES: tuple[type, ...] = (
     ShardedCheckpoints,
     AsyncShardedCheckpoints,
+    AsyncFullCheckpoints,
     StepEnd,
     GradClipping,
     GradSyncControl,

@@ -129,8 +129,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     print("(model states only: add --batch-size and --seq-len for the peak with activations)")
     print("CPU memory an async checkpoint save holds while it writes (CheckpointManager(async_save=True)):")
-    print(f"  FULL        {format_bytes(est.async_staging_bytes('FULL_STATE_DICT'), 1):>12}   (on rank 0)")
-    print(f"  SHARDED     {format_bytes(est.async_staging_bytes('SHARDED_STATE_DICT'), 1):>12}   (on every rank)")
+    print(
+        f"  FULL        {format_bytes(est.async_staging_bytes('FULL_STATE_DICT'), 1):>12}   (rank 0: its shards and the whole)"
+    )
+    print(
+        f"  SHARDED     {format_bytes(est.async_staging_bytes('SHARDED_STATE_DICT'), 1):>12}   (every rank: its shards)"
+    )
     return 0
 
 

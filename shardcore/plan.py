@@ -194,11 +194,13 @@ class MemoryEstimate:
 
     def async_staging_bytes(self, state_dict_type: str) -> int:
         """CPU memory that ``CheckpointManager(async_save=True)`` holds while it writes, on the rank
-        that holds the most: FULL stages the whole model and AdamW state on rank 0; SHARDED stages
-        each rank's own shards of both."""
+        that holds the most: every rank copies its own shards of the model and the AdamW state (FSDP2
+        keeps the copy from one save to the next); FULL gathers the whole of both on rank 0 besides,
+        in the background on FSDP2 and before ``save`` returns elsewhere."""
+        shards = self.param_bytes + self.optim_bytes
         if state_dict_type == "SHARDED_STATE_DICT":
-            return self.param_bytes + self.optim_bytes
-        return self.full_param_bytes + self.full_optim_bytes
+            return shards
+        return shards + self.full_param_bytes + self.full_optim_bytes
 
 
 def estimate_memory(

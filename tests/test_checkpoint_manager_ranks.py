@@ -102,3 +102,12 @@ def test_a_sigterm_on_one_rank_saves_the_next_step_on_every_rank_and_stops(tmp_p
     assert got["resumed"] == 3 and got["lr"] == want["lr"]
     for k, v in want["state"].items():
         assert torch.equal(got["state"][k], v), f"{k} differs after the preemption ({kind}, {mode})"
+
+
+def test_fsdp2_gathers_a_full_save_in_the_background_to_the_same_bytes(tmp_path):
+    """AsyncFullCheckpoints: each rank's shards copied, then gathered to rank 0 off the loop's
+    process group, give what the foreground gather gives, key for key and bit for bit, even after
+    the model changed in place in between."""
+    out = harness.ranks(2, harness.worker("ckpt_manager"), str(tmp_path), "snapshot", timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert load_pt(tmp_path / "snapshot.pt")["tensors"] > 20

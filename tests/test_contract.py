@@ -67,6 +67,7 @@ def test_declared_capabilities_of_the_shipped_backends():
     assert names("fsdp2") == {
         "ShardedCheckpoints",
         "AsyncShardedCheckpoints",
+        "AsyncFullCheckpoints",
         "GradClipping",
         "GradSyncControl",
         "ModelValidation",

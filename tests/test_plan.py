@@ -114,13 +114,14 @@ def test_memory_estimate_counts_uneven_shards():
     assert est.grad_bytes == est.param_bytes
     assert est.optim_bytes == 2 * est.param_bytes
     assert est.full_param_bytes == (15 + 5 + 5) * 4
-    # an async checkpoint stages the whole state on rank 0 (FULL) or each rank's shards (SHARDED)
+    # an async checkpoint copies each rank's shards (SHARDED), and for FULL rank 0 gathers the whole
     assert est.full_optim_bytes == 2 * est.full_param_bytes
-    assert est.async_staging_bytes("FULL_STATE_DICT") == 3 * (15 + 5 + 5) * 4
     assert est.async_staging_bytes("SHARDED_STATE_DICT") == 3 * est.param_bytes
+    assert est.async_staging_bytes("FULL_STATE_DICT") == 3 * est.param_bytes + 3 * (15 + 5 + 5) * 4
     model[1].weight.requires_grad_(False)
-    assert estimate_memory(model, 2).grad_bytes == (3 * 3 + 3) * 4
-    assert estimate_memory(model, 2).async_staging_bytes("FULL_STATE_DICT") == (25 + 2 * 20) * 4
+    frozen = estimate_memory(model, 2)
+    assert frozen.grad_bytes == (3 * 3 + 3) * 4
+    assert frozen.async_staging_bytes("FULL_STATE_DICT") == frozen.param_bytes + frozen.optim_bytes + (25 + 2 * 20) * 4
 
 
 def test_cli_plan_factory(tmp_path, capsys):
@@ -134,7 +135,7 @@ def test_cli_plan_factory(tmp_path, capsys):
     )
     out = capsys.readouterr().out
     assert "model.layers.1" in out and "LlamaDecoderLayer" in out and "AdamW state" in out
-    assert "CPU memory an async checkpoint save holds" in out and "(on rank 0)" in out
+    assert "CPU memory an async checkpoint save holds" in out and "(rank 0: its shards and the whole)" in out
     assert (
         cli_main(
             [
@@ -154,7 +155,7 @@ def test_cli_plan_factory(tmp_path, capsys):
     est = estimate_memory(build_llama(), 4)
     assert doc["per_rank_bytes"]["total"] == est.total
     assert doc["async_checkpoint_staging_bytes"] == {
-        "FULL_STATE_DICT": est.full_param_bytes + est.full_optim_bytes,
+        "FULL_STATE_DICT": est.param_bytes + est.optim_bytes + est.full_param_bytes + est.full_optim_bytes,
         "SHARDED_STATE_DICT": est.param_bytes + est.optim_bytes,
     }
     assert [u["path"] for u in doc["units"]] == ["model.layers.0", "model.layers.1", ""]

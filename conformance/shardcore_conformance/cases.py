@@ -422,6 +422,10 @@ def _hsdp_cases(add: Any, keys: frozenset[str], world_size: int, clips: bool) ->
                     resume_at=RESUME_AT,
                     family="hsdp",
                 )
+            if "async_save" in keys:  # the background gather of replicated shards to rank 0
+                add(
+                    f"{tag}-llama-async_save", "llama", {**mesh, "async_save": True}, resume_at=RESUME_AT, family="hsdp"
+                )
             add(f"{tag}-gpt2", "gpt2", mesh, family="hsdp")
             if clips:  # the norm is over the shards of one replica, not over every rank
                 add(f"{tag}-clip-llama", "llama", mesh, max_grad_norm=CLIP_NORM, family="hsdp")

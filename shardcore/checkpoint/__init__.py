@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..capabilities import AsyncShardedCheckpoints, SlicedLoading
+from ..capabilities import AsyncFullCheckpoints, AsyncShardedCheckpoints, SlicedLoading
 from ..empty import awaiting_weights, weights_arrived
 from ..errors import CheckpointError, ShardcoreError
 from ..integrations import peft
@@ -108,19 +108,23 @@ class Staged:
     was written by every rank already, or is being written in the background: ``write()`` waits for
     that and commits. ``wait()`` waits, on any rank, for that rank's own background part."""
 
-    def __init__(self, runtime: Any, kind: str, tmp: Path, final: Path, finish: Any, pending: Any = None) -> None:
+    def __init__(
+        self, runtime: Any, kind: str, tmp: Path, final: Path, finish: Any, pending: Any = None, gathers: bool = False
+    ) -> None:
         self.runtime, self.kind, self.tmp, self.final = runtime, kind, tmp, final
         self._finish = finish
         self._pending = pending
+        self._gathers = gathers  # the pending part returns what finish() writes
+        self._result: Any = None
 
     def wait(self) -> None:
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            pending()
+            self._result = pending()
 
     def write(self) -> None:
         self.wait()
-        self._finish()
+        self._finish(self._result) if self._gathers else self._finish()
 
     def discard(self) -> None:
         if self.runtime.world().rank == 0:
@@ -171,16 +175,20 @@ def stage(
         meta = manifest.build_manifest(model, kind, world, runtime, optimizer is not None)
         if kind == SHARDED:
             return _stage_sharded(runtime, model, optimizer, path, tmp, final, meta, background)
+        if peft_model is not None:
+            meta["peft"] = "merged" if merged else "adapter"
+            write = functools.partial(_write_peft, model, peft_model, tmp=tmp, final=final, meta=meta, merged=merged)
+        else:
+            write = functools.partial(_write_full, model, tmp=tmp, final=final, meta=meta)
+        if background and isinstance(runtime, AsyncFullCheckpoints):
+            # the gather too runs in the background: write() receives (state, osd) from it
+            gather = runtime.snapshot_full_state_dict(model, optimizer)
+            return Staged(runtime, kind, tmp, final, lambda gathered: write(*gathered), gather, gathers=True)
         state = runtime.full_state_dict(model)
         osd = runtime.full_optimizer_state_dict(model, optimizer) if optimizer is not None else None
         if background and world.rank == 0:
             state, osd = _unshared(model, optimizer, state), _unshared(model, optimizer, osd)
-        if peft_model is not None:
-            meta["peft"] = "merged" if merged else "adapter"
-            finish = functools.partial(_write_peft, model, peft_model, state, osd, tmp, final, meta, merged)
-        else:
-            finish = functools.partial(_write_full, model, state, osd, tmp, final, meta)
-        return Staged(runtime, kind, tmp, final, finish)
+        return Staged(runtime, kind, tmp, final, functools.partial(write, state, osd))
     except BaseException:
         if world.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -221,7 +229,7 @@ def _memory(t: torch.Tensor) -> int | None:
 
 
 def _write_full(
-    model: nn.Module, state: dict[str, Any], osd: Any, tmp: Path, final: Path, meta: dict[str, Any]
+    model: nn.Module, state: dict[str, Any], osd: Any, *, tmp: Path, final: Path, meta: dict[str, Any]
 ) -> None:
     """Rank 0, after the gather: write the files, then commit."""
     full.write_full(tmp, model, state, osd)
@@ -233,6 +241,7 @@ def _write_peft(
     peft_model: Any,
     state: dict[str, Any],
     osd: Any,
+    *,
     tmp: Path,
     final: Path,
     meta: dict[str, Any],

@@ -19,6 +19,7 @@ from torch import nn
 
 from shardcore import devices, safe_dcp
 from shardcore.capabilities import (
+    AsyncFullCheckpoints,
     AsyncShardedCheckpoints,
     GlobalGradSquares,
     GradClipping,
@@ -35,7 +36,7 @@ from shardcore.plan import WrapPlan
 from shardcore.ties import ties_kept
 from shardcore.validate import check_rank0_weights, check_uniform_unit_dtypes, data_parallel_shape
 
-from . import loading
+from . import loading, snapshot
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class FSDP2Backend(
     TorchDistributedRuntime,
     ShardedCheckpoints,
     AsyncShardedCheckpoints,
+    AsyncFullCheckpoints,
     GradClipping,
     GradSyncControl,
     ModelValidation,
@@ -86,6 +88,7 @@ class FSDP2Backend(
         self._mesh_group = None
         self._mesh_shape: tuple[int, int] | None = None
         self._checkpoint_group = None  # async saves' own gloo group, made at the first one
+        self._staging = snapshot.Staging()  # their CPU copies, reused from one save to the next
 
     # -- protocol -------------------------------------------------------------------------------
     def is_available(self) -> tuple[bool, str]:
@@ -187,7 +190,7 @@ class FSDP2Backend(
     def save_sharded_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str) -> None:
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(_sharded_state(model, optimizer), checkpoint_id=path)
+        dcp.save(snapshot.state(model, optimizer), checkpoint_id=path)
 
     def async_save_sharded_state_dict(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str
@@ -198,18 +201,32 @@ class FSDP2Backend(
         copy's allocation, but it pins memory, which needs CUDA.)"""
         import torch.distributed.checkpoint as dcp
 
-        group = None
-        if dist.is_initialized():
-            if self._checkpoint_group is None:
-                self._checkpoint_group = dist.new_group(backend="gloo")  # collective: every rank, same save
-            group = self._checkpoint_group
-        future = dcp.async_save(_sharded_state(model, optimizer), checkpoint_id=path, process_group=group)
+        group, stager = self._background_group(), snapshot.Stager(self._staging)
+        future = dcp.async_save(
+            snapshot.state(model, optimizer), checkpoint_id=path, process_group=group, async_stager=stager
+        )
         return future.result
+
+    def snapshot_full_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
+        """Each rank copies its shards to CPU memory; the returned function gathers them to rank 0
+        on the background group (``snapshot.py``)."""
+        taken = snapshot.take(model, optimizer, self._staging)
+        group, w = self._background_group(), self.world()
+        return functools.partial(snapshot.gather, taken, group, w.rank, w.size)
+
+    def _background_group(self) -> Any:
+        """The gloo group background saves meet on (None without a process group): the training
+        loop's collectives go on beside theirs. Made collectively, at the first save."""
+        if not dist.is_initialized():
+            return None
+        if self._checkpoint_group is None:
+            self._checkpoint_group = dist.new_group(backend="gloo")
+        return self._checkpoint_group
 
     def load_sharded_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str) -> None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-        state = _sharded_state(model, optimizer)
+        state = snapshot.state(model, optimizer)
         # reshards (the saving run may have had another world size); runs no code from the files
         safe_dcp.load(state, path)
         set_model_state_dict(model, state["model"])
@@ -314,13 +331,3 @@ def checkpoint_forward(module: nn.Module) -> None:
 
     module.forward = forward  # type: ignore[method-assign]
     module._shardcore_checkpointed = True  # type: ignore[attr-defined]
-
-
-def _sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """The DCP layout: ``{"model": ..., "optimizer": ...}`` keyed by original parameter names."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-    state: dict[str, Any] = {"model": get_model_state_dict(model)}
-    if optimizer is not None:
-        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
-    return state

@@ -98,20 +98,30 @@ def newest_step(d: Path) -> int:
     return latest[0] if latest else 0
 
 
-def kill_chain(job, d: Path, points: list[str], saves: str) -> dict:
+def kill_chain(job, d: Path, points: list[str], saves: str, ranks: int) -> dict:
     """One job, killed at each of ``points`` in turn (``job(d, point)``: each restart resumes, then
     dies at the next point), then run to the end (``job(d)``). After each kill, ``restore`` would
-    choose the newest step whose save completed; the last run resumes from it and loads it. Returns
-    the last run's ``result.pt``."""
+    choose the newest step whose save completed, and the next run's ``ranks`` (each prints
+    ``restored step N``) load it. Returns the last run's ``result.pt``."""
+    newest = 0
     for point in sorted(points, key=kill_order):
         killed = job(d, point)
         assert killed.returncode != 0 and "never came" not in killed.stdout, f"{point}:\n{killed.stdout[-3000:]}"
+        # every rank loaded the step the kill before left as the newest complete one
+        assert _restored(killed.stdout, newest) == ranks, f"{point}:\n{killed.stdout[-3000:]}"
         newest, allowed = newest_step(d), allowed_steps(point, saves)
         assert newest in allowed, f"after a kill at {point}, restore would choose step {newest}, not {sorted(allowed)}"
     assert not (d / "result.pt").exists()
-    newest = newest_step(d)
     resumed = job(d)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert _restored(resumed.stdout, newest) == ranks, resumed.stdout[-3000:]
     got = load_pt(d / "result.pt")
     assert got["resumed"] == newest
     return got
+
+
+def _restored(out: str, step: int) -> int:
+    """How many ranks said they restored ``step`` (the ranks' lines may interleave)."""
+    import re
+
+    return len(re.findall(rf"rank \d+ restored step {step}(?!\d)", out))

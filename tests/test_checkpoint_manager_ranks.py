@@ -78,7 +78,7 @@ def test_a_job_killed_again_and_again_resumes_each_time_from_the_newest_complete
 ):
     """One job, killed at each point of the chain in turn (each restart resumes, then dies at the
     next point), then run to the end: it must end bit for bit where the uninterrupted job ends."""
-    got = kill_chain(lambda d, *point: _job(d, kind, mode, *point), tmp_path, CHAINS[kind, mode], mode)
+    got = kill_chain(lambda d, *point: _job(d, kind, mode, *point), tmp_path, CHAINS[kind, mode], mode, 2)
     want = uninterrupted[kind]
     assert got["lr"] == want["lr"]
     assert got["state"].keys() == want["state"].keys()

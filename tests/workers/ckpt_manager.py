@@ -20,7 +20,7 @@ import shardcore
 import shardcore.checkpoint as ckpt
 from shardcore.checkpoint import manager as mgr
 
-from ckpt_common import STEPS, backend, full, loss_fn, make_batches, run, sharded, write
+from ckpt_common import STEPS, backend, full, loss_fn, make_batches, rank, run, sharded, write
 
 #: where a kill can land, in the order a step meets them (with async saves, from model_commit on
 #: in rank 0's background thread, retention at the next save)
@@ -109,6 +109,7 @@ def train(d: Path, kind: str, mode: str, point: str | None = None) -> None:
     manager.save = save
     start = manager.restore(model, opt, scheduler=sched, data=counter) or 0
     assert counter.batches == start, (counter.batches, start)
+    print(f"rank {rank()} restored step {start}", flush=True)
     rt = backend(model)
     batches = make_batches("llama", STEPS, 8, 0)
     for step in range(start, STEPS):

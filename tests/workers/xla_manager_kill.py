@@ -36,6 +36,7 @@ def job(mode: str, d: Path, kind: str, saves: str, kill: tuple[str, int], saving
     manager = shardcore.CheckpointManager(d / "ckpt", keep_last=2, every=EVERY, async_save=saves == "async")
     start = manager.restore(model, opt, scheduler=sched, data=counter) or 0
     assert counter.batches == start, (counter.batches, start)
+    print(f"rank {rank} restored step {start}", flush=True)
     batches = make_batches(MODEL, STEPS, 8, 0)
     for step in range(start, STEPS):
         loss = loss_fn(MODEL, model, backend.local_batch(batches[step]))

@@ -172,6 +172,54 @@ def test_a_signal_makes_the_next_step_save_and_marks_the_run_preempted(tmp_path)
     assert signal.getsignal(signal.SIGUSR1) == before
 
 
+def test_managers_in_threads_share_the_handler_the_main_thread_installs(tmp_path):
+    """Where the ranks are threads of one process (XLA FSDP on CPU devices), a manager made in a
+    thread cannot install a handler: it says how to, and with listen() every thread's manager sees
+    the signal."""
+    import threading
+    import time
+
+    model, *_ = _setup()
+    before = signal.getsignal(signal.SIGUSR2)
+    errors, seen = [], []
+
+    def rank(i):
+        try:
+            manager = shardcore.CheckpointManager(tmp_path / str(i), every=100, save_on_signal=signal.SIGUSR2)
+        except shardcore.CheckpointError as e:
+            errors.append(str(e))
+            return
+        barrier.wait()  # every manager made
+        if i == 0:
+            os.kill(os.getpid(), signal.SIGUSR2)
+        while not manager.signal_received:  # the main thread runs the handler, between its bytecodes
+            time.sleep(0.001)
+        seen.append(manager.should_save(1, model))
+        manager.close()
+
+    def run():
+        threads = [threading.Thread(target=rank, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            while t.is_alive():
+                t.join(0.01)  # the main thread must run to execute the handler
+
+    barrier = threading.Barrier(2)
+    run()
+    assert len(errors) == 2 and "CheckpointManager.listen(signal.SIGUSR2) in the main thread" in errors[0], errors
+    errors.clear()
+    shardcore.CheckpointManager.listen(signal.SIGUSR2)
+    try:
+        run()
+        assert errors == [] and seen == [True, True]
+    finally:
+        signal.signal(signal.SIGUSR2, before)
+        from shardcore.checkpoint.manager import _SIGNALS
+
+        _SIGNALS.installed.pop(signal.SIGUSR2, None)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

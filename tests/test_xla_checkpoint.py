@@ -17,7 +17,7 @@ import shardcore
 from shardcore_conformance.models import build_model
 
 import harness
-from ckpt_helpers import kill_chain, load_pt
+from ckpt_helpers import kill_chain, load_pt, newest_step
 from xla_helpers import worker_json
 
 pytestmark = pytest.mark.xla  # skipped, saying so, where torch_xla is not installed (conftest.py)
@@ -252,3 +252,27 @@ def test_an_xla_job_killed_again_and_again_resumes_each_time_from_the_newest_com
     for k, v in want["state"].items():
         assert torch.equal(got["state"][k], v), f"{k} differs after the kills ({mode}, {kind}, {saves})"
     assert [s for s, _ in shardcore.CheckpointManager(tmp_path / "ckpt").checkpoints()] == [4, 6]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", ["fsdp", "spmd"])
+def test_an_xla_job_sent_sigterm_saves_the_next_step_and_stops(tmp_path, xla_uninterrupted, mode):
+    """Preemption on XLA: a SIGTERM in step 2 (no save due until 4); every rank (device threads of
+    XLA FSDP, whose managers share the handler the main thread installed) saves step 3 and the job
+    exits 0; the restarted job resumes from step 3 and ends bit for bit."""
+    stopped = harness.python(
+        harness.worker("xla_manager_kill"),
+        *(mode, str(tmp_path), "FULL_STATE_DICT", "async", "sigterm:2:all"),
+        env=harness.xla_env(2),
+        timeout=300,
+        merge=True,
+    )
+    assert stopped.returncode == 0, stopped.stdout[-3000:]
+    assert load_pt(tmp_path / "preempted.pt") == {"step": 3}
+    assert newest_step(tmp_path) == 3 and not (tmp_path / "result.pt").exists()
+    resumed = _xla_job(tmp_path, mode, "FULL_STATE_DICT", "async")
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    got, want = load_pt(tmp_path / "result.pt"), xla_uninterrupted(mode)
+    assert got["resumed"] == 3 and got["lr"] == want["lr"]
+    for k, v in want["state"].items():
+        assert torch.equal(got["state"][k], v), f"{k} differs after the preemption ({mode})"

@@ -108,9 +108,7 @@ class CheckpointManager:
         self.state_dict_type = state_dict_type
         self.preempted = False
         self._pending: Background | None = None
-        self._signal_seen = False
-        self._signal = None
-        self._previous_handler: Any = None
+        self._signal: signals.Signals | None = None
         if save_on_signal is not None:
             self._install(save_on_signal)
 
@@ -123,19 +121,30 @@ class CheckpointManager:
             raise CheckpointError(
                 f"CheckpointManager: save_on_signal={sig!r} is not a signal. Pass one such as signal.SIGTERM."
             ) from None
-        try:
-            self._previous_handler = signals.signal(sig, self._on_signal)
-        except ValueError as e:  # not the main thread
+        if not _listen(sig):
             raise CheckpointError(
-                f"CheckpointManager: save_on_signal={sig.name} needs the main thread to install its handler ({e}). "
-                "Create the manager in the training script's main thread."
-            ) from None
+                f"CheckpointManager: save_on_signal={sig.name} needs a handler installed from the main thread, and "
+                "this manager is made in another thread (XLA FSDP's CPU device threads are the ranks of one "
+                f"process). Call shardcore.CheckpointManager.listen(signal.{sig.name}) in the main thread before "
+                "the ranks start, or create the manager in the main thread."
+            )
         self._signal = sig
         log.info("shardcore: a %s saves a checkpoint at the next step", sig.name)
 
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        # only a flag: the save itself is collective and must run in the loop, on every rank
-        self._signal_seen = True
+    @staticmethod
+    def listen(sig: int) -> None:
+        """Install shardcore's handler for ``sig`` from the main thread, for managers that the ranks
+        create in threads of this process (XLA FSDP on CPU devices). It only records the signal;
+        the managers made with ``save_on_signal=sig`` act on it."""
+        if threading.current_thread() is not threading.main_thread():
+            raise CheckpointError("CheckpointManager.listen: call it from the main thread, before the ranks start.")
+        _listen(signals.Signals(sig), user=False)
+
+    @property
+    def signal_received(self) -> bool:
+        """Whether this process has received ``save_on_signal`` (on this rank only; ``should_save``
+        is where the ranks agree)."""
+        return self._signal in _SIGNALS.seen
 
     def should_save(self, step: int, model: nn.Module | None = None) -> bool:
         """Whether ``step`` is one to save: a multiple of ``every``, or the first step after any
@@ -149,7 +158,7 @@ class CheckpointManager:
                     "the model's backend. Call should_save(step, model) on every rank."
                 )
             runtime, _ = runtime_of(model)
-            flag = torch.tensor([1.0 if self._signal_seen else 0.0], device=runtime.world().device)
+            flag = torch.tensor([1.0 if self.signal_received else 0.0], device=runtime.world().device)
             if float(runtime.all_reduce_sum(flag).cpu()[0]) > 0:
                 if not self.preempted:
                     log.warning(
@@ -323,7 +332,7 @@ class CheckpointManager:
             self._settle()
         finally:
             if self._signal is not None:
-                signals.signal(self._signal, self._previous_handler)
+                _unlisten(self._signal)
                 self._signal = None
 
 
@@ -346,6 +355,51 @@ class Background:
     def join(self) -> BaseException | None:
         self._thread.join()
         return self.error
+
+
+# ------------------------------------------------------------------------------------ signals
+
+
+class _SIGNALS:
+    """One handler per signal for the whole process, shared by its managers: where the ranks are
+    threads of one process, only the main thread may install it, and every rank must see it."""
+
+    lock = threading.Lock()
+    #: signal -> [the handler before shardcore's, managers using it]
+    installed: dict[signals.Signals, list] = {}
+    seen: set[signals.Signals] = set()
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    # only a flag: the save itself is collective and must run in the loop, on every rank
+    _SIGNALS.seen.add(signals.Signals(signum))
+
+
+def _listen(sig: signals.Signals, user: bool = True) -> bool:
+    """Install the handler (main thread) or share the one installed; False where neither can be."""
+    with _SIGNALS.lock:
+        entry = _SIGNALS.installed.get(sig)
+        if entry is None:
+            if threading.current_thread() is not threading.main_thread():
+                return False
+            _SIGNALS.seen.discard(sig)
+            entry = _SIGNALS.installed[sig] = [signals.signal(sig, _on_signal), 0]
+        entry[1] += int(user)
+        return True
+
+
+def _unlisten(sig: signals.Signals) -> None:
+    """A manager is done with ``sig``: the last one gives the previous handler back (from the main
+    thread; a thread leaves shardcore's in place, which only records the signal)."""
+    with _SIGNALS.lock:
+        entry = _SIGNALS.installed.get(sig)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] <= 0 and threading.current_thread() is threading.main_thread():
+            signals.signal(sig, entry[0])
+            del _SIGNALS.installed[sig]
+            _SIGNALS.seen.discard(sig)
 
 
 # ---------------------------------------------------------------------------------------- helpers

@@ -6,12 +6,14 @@ last 2 kept; SAVES "sync" or "async"), resumed first from the newest complete st
 
 POINT ``phase:step:all`` SIGKILLs the process at ``phase`` of step ``step`` (ckpt_manager.PHASES).
 Every rank is a thread of this one process, so the kill takes the whole job down, at the first rank
-that gets there.
+that gets there. ``sigterm:step:all`` sends a SIGTERM in step ``step`` instead: every rank saves the
+next step and stops, rank 0 writing ``DIR/preempted.pt`` with the step saved.
 """
 
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -33,7 +35,9 @@ def job(mode: str, d: Path, kind: str, saves: str, kill: tuple[str, int], saving
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     counter = Counter()
-    manager = shardcore.CheckpointManager(d / "ckpt", keep_last=2, every=EVERY, async_save=saves == "async")
+    manager = shardcore.CheckpointManager(
+        d / "ckpt", keep_last=2, every=EVERY, async_save=saves == "async", save_on_signal=signal.SIGTERM
+    )
     start = manager.restore(model, opt, scheduler=sched, data=counter) or 0
     assert counter.batches == start, (counter.batches, start)
     print(f"rank {rank} restored step {start}", flush=True)
@@ -48,10 +52,22 @@ def job(mode: str, d: Path, kind: str, saves: str, kill: tuple[str, int], saving
         if kill == ("train", step):
             sys.stdout.flush()
             os.kill(os.getpid(), signal.SIGKILL)
+        if kill == ("sigterm", step):
+            if rank == 0:
+                os.kill(os.getpid(), signal.SIGTERM)
+            # the handler runs in the main thread, between two of its bytecodes: the signal has
+            # arrived in this step once it has run
+            while not manager.signal_received:
+                time.sleep(0.01)
         counter.batches += 1
-        if manager.should_save(step + 1):
+        if manager.should_save(step + 1, model):
             saving["step"] = step + 1
             manager.save(step + 1, model, opt, scheduler=sched, data=counter)
+        if manager.preempted:
+            manager.close()
+            if rank == 0:
+                torch.save({"step": step + 1}, d / "preempted.pt")
+            return
     manager.close()
     if kill[0]:
         raise SystemExit(f"the kill at {kill} never came")
@@ -65,4 +81,5 @@ if __name__ == "__main__":
     saving: dict = {}
     # armed once, before the device threads start: they share the patched checkpoint code
     kill = arm(point[0], saving) if point else ("", -1)
+    shardcore.CheckpointManager.listen(signal.SIGTERM)  # the ranks' managers are made in device threads
     on_devices(mode, job, mode, Path(d), kind, saves, kill, saving)

@@ -28,7 +28,7 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path, kind):
     marker = tmp_path / "saving"
     proc = subprocess.Popen(
         command(2, "ckpt_kill", str(tmp_path), kind),
-        env=harness.clean_env(CKPT_MARKER=str(marker)),
+        env=harness.clean_env(SHARDCORE_TEST_CKPT_MARKER=str(marker)),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,

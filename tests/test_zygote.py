@@ -31,6 +31,10 @@ if __name__ == "__main__":
         sys.exit(p.exitcode)
     if what == "raise":
         raise ValueError("boom")
+    if what == "devices":  # the CPU runtime starts in the fork, with the fork's settings
+        import torch_xla.runtime as xr
+        print(json.dumps({"devices": xr.global_runtime_device_count(), "zygote": os.getppid()}))
+        sys.exit(0)
     if what == "rank":  # as torchrun's ranks: rank 1 fails, rank 0 would wait for it forever
         print(f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}", flush=True)
         if os.environ["RANK"] == "1":
@@ -98,6 +102,21 @@ def test_a_forked_program_sees_what_a_fresh_interpreter_would(program, tmp_path)
     for g in got:
         assert "--xla_cpu_enable_fast_math=false" in g["xla_flags"].split(), g
         assert set(env()["XLA_FLAGS"].split()) <= set(g["xla_flags"].split()), g
+
+
+def test_one_zygote_serves_xla_on_every_cpu_device_count(program):
+    """torch_xla reads CPU_NUM_DEVICES, PJRT_CPU_ASYNC_CLIENT and XLA_THREAD_POOL_SIZE when its
+    runtime starts, never at import: one zygote serves 1, 2 and 4 devices, each fork its own count."""
+    cmd = [sys.executable, program, "devices"]
+    runs = [
+        harness.run(
+            cmd, env=harness.xla_env(n, ZYGOTE_TEST="yes", XLA_THREAD_POOL_SIZE=str(2 * n), PJRT_CPU_ASYNC_CLIENT="0")
+        )
+        for n in (1, 2, 4)
+    ]
+    got = [json.loads(r.stdout.strip().splitlines()[0]) for r in runs]
+    assert [g["devices"] for g in got] == [1, 2, 4], got
+    assert len({g["zygote"] for g in got}) == 1, got
 
 
 def test_a_forked_program_that_raises_exits_1_with_its_traceback(program):

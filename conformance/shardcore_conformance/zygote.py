@@ -63,10 +63,23 @@ _INT = struct.Struct("!i")  # a pid or an exit status
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
-#: read when a run starts, never at import: pytest's per-test variable and torchrun's rank variables
-#: (``init_process_group`` reads them)
+#: read when a run starts, never at import: pytest's per-test variable, torchrun's rank variables
+#: (``init_process_group`` reads them), and torch_xla's CPU runtime settings, which the PJRT client
+#: reads when it starts and torch_xla's thread pool when it is first used (a pool started at import
+#: would have lost its threads in every fork). So one zygote serves XLA on 1, 2 and 4 CPU devices.
 RUNTIME_ONLY = frozenset(
-    {"PYTEST_CURRENT_TEST", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    {
+        "PYTEST_CURRENT_TEST",
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "CPU_NUM_DEVICES",
+        "PJRT_CPU_ASYNC_CLIENT",
+        "XLA_THREAD_POOL_SIZE",
+    }
 )
 
 
@@ -211,9 +224,9 @@ class Zygote:
 class Zygotes:
     """One zygote per environment, started on first use (and again if one died); the least recently
     used is closed beyond ``keep``. Each holds some 450 MB of its own (780 MB resident). A test
-    worker meets about ten environments (plain, XLA on 1, 2 and 4 devices, each as the harness and
-    as the conformance runner sets it up, and a few with a test's own variable); with 4 kept, a
-    make-test run started 20 zygotes in its first 16% of tests, at 15 s of CPU each."""
+    worker meets a few environments (plain, XLA, the numerics test's capped ISAs, a test's own
+    variable); with 4 kept and XLA's device counts each an environment of its own, a make-test run
+    started 20 zygotes in its first 16% of tests, at 15 s of CPU each."""
 
     def __init__(self, preload: tuple[str, ...] = PRELOAD, keep: int = 8):
         self.preload = preload

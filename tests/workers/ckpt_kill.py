@@ -1,4 +1,4 @@
-"""``ckpt_kill.py DIR KIND`` (2 ranks, env CKPT_MARKER): save a KIND checkpoint, train on, start
+"""``ckpt_kill.py DIR KIND`` (2 ranks, env SHARDCORE_TEST_CKPT_MARKER): save a KIND checkpoint, train on, start
 saving again and, once the data of that save is written, announce it (the marker file names the
 temporary directory) and hang until the test kills every process."""
 
@@ -18,7 +18,7 @@ def hang_before_commit() -> None:
     real = ckpt.manifest.write_manifest
 
     def slow(tmp, manifest):
-        marker = os.environ["CKPT_MARKER"]
+        marker = os.environ["SHARDCORE_TEST_CKPT_MARKER"]
         Path(marker).write_text(str(tmp))
         time.sleep(600)
         real(tmp, manifest)

@@ -10,6 +10,7 @@ step on every rank and the job stops, rank 0 writing ``DIR/preempted.pt`` with t
 """
 
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -61,29 +62,37 @@ def arm(point: str, saving: dict) -> tuple[str, int]:
         sys.stdout.flush()
         os.kill(os.getpid(), signal.SIGKILL)
 
-    def at(module, name: str, when=lambda *a, **k: True) -> None:
+    def at(module, name: str, step_of=lambda *a, **k: saving.get("step")) -> None:
         real = getattr(module, name)
 
         def hooked(*a, **k):
-            if saving.get("step") == step and when(*a, **k):
+            if step_of(*a, **k) == step:
                 die()
             return real(*a, **k)
 
         setattr(module, name, hooked)
 
+    # The phases an async save reaches in its background thread name their step by their paths:
+    # the loop may have begun the next save (saving["step"]) before the thread gets there.
     if phase == "staging":
         at(ckpt.manifest, "build_manifest")
     elif phase == "model_commit":
-        at(ckpt.atomic, "commit", lambda tmp, final: final.name == mgr.MODEL_DIR)
+        at(ckpt.atomic, "commit", lambda tmp, final: step_named(final.parent) if final.name == mgr.MODEL_DIR else None)
     elif phase == "rank_state":
         at(mgr.full, "write_encoded")
     elif phase == "marker":
-        at(mgr, "_commit")
+        at(mgr, "_commit", lambda tmp, final, meta: meta["step"])
     elif phase == "rename":
-        at(ckpt.atomic, "commit", lambda tmp, final: final.name.startswith("step-"))
+        at(ckpt.atomic, "commit", lambda tmp, final: step_named(final))
     elif phase == "retention":
         at(mgr, "_remove")
     return phase, step
+
+
+def step_named(path: Path) -> int | None:
+    """The step of a manager's step directory, final (``step-4``) or being written (``.step-4.<tag>``)."""
+    found = re.fullmatch(r"\.?step-(\d+)(\..*)?", path.name)
+    return int(found[1]) if found else None
 
 
 def train(d: Path, kind: str, mode: str, point: str | None = None) -> None:

@@ -224,6 +224,16 @@ def test_no_recompilation_after_warmup(runtime_runs, mode, devices):
     assert counts[2:] == [counts[1]] * (len(counts) - 2), counts
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode, devices", [("spmd", 2), ("fsdp", 1), ("fsdp", 2)])
+def test_gathering_the_full_state_compiles_nothing(runtime_runs, mode, devices):
+    """The FULL state dict and optimizer state of a trained model, gathered twice, compile no
+    program. Under SPMD, torch_xla's own ``.cpu()`` of each sharded tensor compiled one every time;
+    the shards put together are exactly what it gathers."""
+    run = runtime_runs(mode, devices)
+    assert run["gather_compiles"] == 0 and run["gathered_as_cpu"], run
+
+
 # --------------------------------------------------------------- HSDP layout
 
 

@@ -155,3 +155,48 @@ def like_spmd_param(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     else:
         xs.mark_sharding(t, xs.get_global_mesh(), _prepare_spmd_partition_spec(t, shard_maximal=True))
     return t
+
+
+def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` copied to the CPU, each one whole, the sharded ones put together from their shards.
+
+    torch_xla 2.9's ``.cpu()`` of a tensor split over the devices compiles and runs a program that
+    replicates it (``PjRtComputationClient::ReplicateShardedData``), and keeps no cache of it: one
+    compilation per tensor at every call. A FULL save of a model with N parameters under AdamW
+    compiled 3N programs, every time. Where this process holds every device, each device's shard
+    is already addressable, so it is copied as it is and nothing is compiled."""
+    import torch_xla
+
+    on_xla = [t for t in tensors if t.device.type == "xla"]
+    if on_xla:
+        # a value still being computed has no shards yet: one graph computes every such value
+        torch_xla._XLAC._xla_sync_multi(on_xla, devices=[], wait=True)
+    return [_from_shards(t) if _split_here(t) else t.detach().cpu().clone() for t in tensors]
+
+
+def _split_here(t: torch.Tensor) -> bool:
+    """Whether ``t`` is split over the devices, all of them this process's."""
+    if t.device.type != "xla":
+        return False
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    spec = torch_xla._XLAC._get_xla_sharding_spec(t)
+    return "devices=" in spec and xr.process_count() == 1
+
+
+def _from_shards(t: torch.Tensor) -> torch.Tensor:
+    import torch_xla
+
+    where = torch_xla._XLAC._get_local_shard_replica_and_indices([t])[0]
+    out = torch.empty(t.shape, dtype=t.dtype)
+    # the first replica of each shard; the shards of a dim that does not divide are zero-padded
+    first = [i for i, (replica, _) in enumerate(where) if replica == 0]
+    regions = [out[tuple(where[i][1])] if where[i][1] is not Ellipsis else out for i in first]
+    if sum(r.numel() for r in regions) != out.numel():
+        return t.detach().cpu().clone()  # a layout these shards do not cover: torch_xla's own gather
+    shards = torch_xla._XLAC._get_local_shards([t])[0]
+    for i, region in zip(first, regions):
+        data = shards[i][0]
+        region.copy_(data[tuple(slice(0, n) for n in region.shape)])
+    return out

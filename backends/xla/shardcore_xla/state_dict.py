@@ -19,7 +19,7 @@ from shardcore.errors import CheckpointError
 
 from . import sharded
 from .collectives import Ranks
-from .spmd import like_spmd_param
+from .spmd import like_spmd_param, to_host
 
 #: parameter id -> the (name in the unwrapped model, shape) pieces it holds, in order
 Layout = dict[int, list[tuple[str, tuple[int, ...]]]]
@@ -84,8 +84,8 @@ def with_aliases(d: dict[str, Any], aliases: dict[str, str], copy: Callable[[Any
 
 def full_state_dict(model: nn.Module, ranks: Ranks) -> dict[str, Any]:
     if ranks.spmd:
-        # SPMD tensors are logically global: .cpu() gathers them
-        return {strip_wrappers(k): v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        sd = model.state_dict()
+        return {strip_wrappers(k): v for k, v in zip(sd, to_host(list(sd.values())))}
     return consolidate_fsdp(model, ranks)
 
 
@@ -214,7 +214,7 @@ def load_full_optimizer_state_dict(model: nn.Module, optimizer: Any, state: dict
 def unshard(v: torch.Tensor, pieces: list[tuple[str, tuple[int, ...]]], ranks: Ranks) -> list[torch.Tensor]:
     """A tensor laid out like the parameter holding ``pieces`` (its optimizer state) as unsharded
     CPU pieces. Collective under XLA FSDP."""
-    flat = ranks.all_gather_dim0(v).detach().cpu().reshape(-1)
+    flat = (to_host([v])[0] if ranks.spmd else ranks.all_gather_dim0(v).detach().cpu()).reshape(-1)
     out, at = [], 0
     for _, shape in pieces:
         n = math.prod(shape)

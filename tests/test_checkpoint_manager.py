@@ -286,6 +286,61 @@ def test_a_full_disk_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch
     assert manager.restore(model, opt, data=Position()) == 1
 
 
+def _read_only_tmpfs(path):
+    """Mount a tmpfs at ``path``; returns ``(make_read_only, unmount)``, or None where this process
+    may not mount (it needs CAP_SYS_ADMIN, as root in a container has). A chmod would not do: root
+    writes through it."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    ms_rdonly, ms_remount = 1, 32
+    path.mkdir()
+    if libc.mount(b"tmpfs", str(path).encode(), b"tmpfs", 0, b"size=16m") != 0:
+        return None
+
+    def make_read_only():
+        assert libc.mount(b"tmpfs", str(path).encode(), b"tmpfs", ms_remount | ms_rdonly, None) == 0, ctypes.get_errno()
+
+    return make_read_only, lambda: libc.umount2(str(path).encode(), 2)  # MNT_DETACH
+
+
+def test_a_read_only_directory_leaves_the_previous_checkpoint_intact(tmp_path):
+    """A real read-only file system (a tmpfs remounted read-only) where it can be mounted; the error
+    it raises (EROFS) injected where it cannot."""
+    model, opt, sched, pos = _setup()
+    where = tmp_path / "ckpt"
+    mounted = _read_only_tmpfs(where)
+    manager = shardcore.CheckpointManager(where)
+    manager.save(1, model, opt, data=pos)
+    _step(model, opt, sched, pos)
+    real_mkdir = type(where).mkdir
+    if mounted:
+        mounted[0]()
+    else:
+        logging.getLogger(__name__).warning("no permission to mount a tmpfs here: EROFS is injected")
+
+        def read_only(self, *a, **k):
+            if where in self.parents:
+                raise OSError(errno.EROFS, "Read-only file system", str(self))
+            return real_mkdir(self, *a, **k)
+
+        type(where).mkdir = read_only
+    try:
+        with pytest.raises(shardcore.CheckpointError) as e:
+            manager.save(2, model, opt, data=pos)
+        message = str(e.value)
+        assert "Read-only file system" in message and "step=2" in message, message
+        assert f"The newest complete checkpoint, {where / 'step-1'}, is intact." in message, message
+        assert sorted(p.name for p in where.iterdir()) == ["step-1"]
+        fresh, fresh_opt, _, fresh_pos = _setup(seed=1)
+        assert shardcore.CheckpointManager(where).restore(fresh, fresh_opt, data=fresh_pos) == 1
+        assert fresh_pos.index == 0
+    finally:
+        type(where).mkdir = real_mkdir
+        if mounted:
+            mounted[1]()
+
+
 def test_a_directory_that_cannot_be_written_is_a_clear_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

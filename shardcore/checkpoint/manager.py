@@ -188,7 +188,10 @@ class CheckpointManager:
         final = step_dir(self.directory, step)
         asynchronous = self.async_save if self.async_save is not None else bool(cfg and cfg.async_save)
         background = asynchronous and not self.preempted  # a preempted process exits after this save
-        tmp = Path(on_rank0(runtime, lambda: str(_prepare(final))))
+        try:
+            tmp = Path(on_rank0(runtime, lambda: str(_prepare(final))))
+        except BaseException as e:  # a read-only or missing directory: nothing was written yet
+            raise self._failed(e, step, final, None, world.rank)
         try:
             staged = stage(
                 model, tmp / MODEL_DIR, optimizer, state_dict_type=self.state_dict_type, background=background
@@ -229,10 +232,10 @@ class CheckpointManager:
             on_rank0(runtime, lambda: self._retain(step))
         return final
 
-    def _failed(self, e: BaseException, step: int, final: Path, tmp: Path, rank: int) -> BaseException:
+    def _failed(self, e: BaseException, step: int, final: Path, tmp: Path | None, rank: int) -> BaseException:
         """The error to raise for a save that failed: its temporary directory is gone, and the
         message names the step and the newest complete checkpoint, which is intact."""
-        if rank == 0:
+        if rank == 0 and tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         if not isinstance(e, Exception):
             return e  # an interrupt goes on as it is

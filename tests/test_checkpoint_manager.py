@@ -304,28 +304,28 @@ def _read_only_tmpfs(path):
     return make_read_only, lambda: libc.umount2(str(path).encode(), 2)  # MNT_DETACH
 
 
-def test_a_read_only_directory_leaves_the_previous_checkpoint_intact(tmp_path):
+def test_a_read_only_directory_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch):
     """A real read-only file system (a tmpfs remounted read-only) where it can be mounted; the error
     it raises (EROFS) injected where it cannot."""
     model, opt, sched, pos = _setup()
     where = tmp_path / "ckpt"
     mounted = _read_only_tmpfs(where)
-    manager = shardcore.CheckpointManager(where)
-    manager.save(1, model, opt, data=pos)
-    _step(model, opt, sched, pos)
-    real_mkdir = type(where).mkdir
-    if mounted:
-        mounted[0]()
-    else:
-        logging.getLogger(__name__).warning("no permission to mount a tmpfs here: EROFS is injected")
-
-        def read_only(self, *a, **k):
-            if where in self.parents:
-                raise OSError(errno.EROFS, "Read-only file system", str(self))
-            return real_mkdir(self, *a, **k)
-
-        type(where).mkdir = read_only
     try:
+        manager = shardcore.CheckpointManager(where)
+        manager.save(1, model, opt, data=pos)
+        _step(model, opt, sched, pos)
+        if mounted:
+            mounted[0]()
+        else:
+            logging.getLogger(__name__).warning("no permission to mount a tmpfs here: EROFS is injected")
+            real_mkdir = type(where).mkdir
+
+            def read_only(self, *a, **k):
+                if where in self.parents:
+                    raise OSError(errno.EROFS, "Read-only file system", str(self))
+                return real_mkdir(self, *a, **k)
+
+            monkeypatch.setattr(type(where), "mkdir", read_only)
         with pytest.raises(shardcore.CheckpointError) as e:
             manager.save(2, model, opt, data=pos)
         message = str(e.value)
@@ -336,7 +336,6 @@ def test_a_read_only_directory_leaves_the_previous_checkpoint_intact(tmp_path):
         assert shardcore.CheckpointManager(where).restore(fresh, fresh_opt, data=fresh_pos) == 1
         assert fresh_pos.index == 0
     finally:
-        type(where).mkdir = real_mkdir
         if mounted:
             mounted[1]()
 

@@ -171,7 +171,12 @@ def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     if on_xla:
         # a value still being computed has no shards yet: one graph computes every such value
         torch_xla._XLAC._xla_sync_multi(on_xla, devices=[], wait=True)
-    return [_from_shards(t) if _split_here(t) else t.detach().cpu().clone() for t in tensors]
+    return [_from_shards(t) if _split_here(t) else _copied(t) for t in tensors]
+
+
+def _copied(t: torch.Tensor) -> torch.Tensor:
+    # .cpu() of an XLA tensor is already a new tensor; of a CPU tensor it is the same one
+    return t.detach().cpu() if t.device.type == "xla" else t.detach().clone()
 
 
 def _split_here(t: torch.Tensor) -> bool:
@@ -194,7 +199,7 @@ def _from_shards(t: torch.Tensor) -> torch.Tensor:
     first = [i for i, (replica, _) in enumerate(where) if replica == 0]
     regions = [out[tuple(where[i][1])] if where[i][1] is not Ellipsis else out for i in first]
     if sum(r.numel() for r in regions) != out.numel():
-        return t.detach().cpu().clone()  # a layout these shards do not cover: torch_xla's own gather
+        return _copied(t)  # a layout these shards do not cover: torch_xla's own gather
     shards = torch_xla._XLAC._get_local_shards([t])[0]
     for i, region in zip(first, regions):
         data = shards[i][0]

@@ -17,6 +17,10 @@ import atexit, json, multiprocessing as mp, os, random, sys
 def child(q):
     q.put(os.getpid())
 
+def frozen(q):
+    import gc
+    q.put(gc.get_freeze_count())
+
 if __name__ == "__main__":
     atexit.register(lambda: print("atexit ran", flush=True))
     print("to stderr", file=sys.stderr)
@@ -53,6 +57,17 @@ if __name__ == "__main__":
             "workers": worker_start_method("fsdp2", False, {}),
         }))
         sys.exit(0)
+    if what == "frozen":  # how many objects the cycle collector skips here and in a fork server's worker
+        import gc
+        from shardcore_conformance.launch import cpu_fork_method
+        assert cpu_fork_method({}) == "forkserver"
+        ctx = mp.get_context("forkserver")
+        q = ctx.Queue()
+        p = ctx.Process(target=frozen, args=(q,))
+        p.start()
+        print(json.dumps({"zygote": gc.get_freeze_count(), "forkserver": q.get(timeout=120)}))
+        p.join()
+        sys.exit(p.exitcode)
     if what == "orphan":  # a fork that dies leaves a sleeping fork of its own behind
         from shardcore_conformance import zygote
         z = zygote.shared().get(dict(os.environ))
@@ -143,6 +158,16 @@ def test_a_fork_starts_programs_and_cpu_workers_as_forks_of_its_own_zygote(progr
     got = json.loads(r.stdout.splitlines()[0])
     assert got["child_zygote"] == got["zygote"] and got["status"] == 0, got
     assert got["workers"] == "zygote", got
+
+
+def test_a_forks_collector_skips_what_its_server_imported(program):
+    """A zygote and the conformance runner's fork server freeze what their imports created
+    (``zygote.freeze_imports``). A full collection in their forks then scans only what the program
+    made, not the ~490k objects of torch and Transformers: torch_xla's XLA FSDP runs one per unit."""
+    r = harness.run([sys.executable, program, "frozen"], env=harness.clean_env(ZYGOTE_TEST="yes"), timeout=120)
+    assert r.returncode == 0, harness.tail(r.stdout, r.stderr)
+    got = json.loads(r.stdout.splitlines()[0])
+    assert got["zygote"] > 100_000 and got["forkserver"] > 100_000, got
 
 
 def test_a_forks_own_forks_die_with_it(program):

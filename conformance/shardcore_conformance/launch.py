@@ -54,6 +54,7 @@ _PRELOAD = [
     "transformers",
     "transformers.models.llama.modeling_llama",
     "transformers.models.gpt2.modeling_gpt2",
+    "shardcore_conformance._freeze_imports",  # last: freezes what the others created
 ]
 #: variables a worker may set that no preloaded module reads at import (the rest are read at import,
 #: e.g. Transformers' USE_TORCH_XLA, or by a kernel library on first use, e.g. ATEN_CPU_CAPABILITY,

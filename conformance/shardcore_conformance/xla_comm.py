@@ -37,11 +37,14 @@ class XlaGraphRecorder:
     included) is lowered to HLO text by torch_xla (``_XLAC._get_xla_tensors_hlo``), and its
     ``all-gather``, ``reduce-scatter`` and ``all-reduce`` instructions are counted with the bytes of
     their full-size tensors. Per rank: each device traces its own graph, also when the devices are
-    threads of one process (torch_xla's counters are process-wide)."""
+    threads of one process (torch_xla's counters are process-wide). A graph whose hash was read
+    before is not lowered again: the hash is torch_xla's compile-cache key, so the same hash is the
+    same program."""
 
     def __init__(self, world_size: int) -> None:
         self.steps: list[dict[str, dict[str, Any]]] = []
         self.world_size = world_size
+        self._seen: dict[Any, dict[str, dict[str, Any]]] = {}
 
     def install(self) -> "XlaGraphRecorder":
         return self
@@ -59,42 +62,38 @@ class XlaGraphRecorder:
         import torch_xla
 
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        text = torch_xla._XLAC._get_xla_tensors_hlo(grads) if grads else ""
-        self.steps[-1] = hlo_collectives(text, self.world_size)
+        if not grads:
+            return
+        key = torch_xla._XLAC._get_graph_hash(grads)
+        if key not in self._seen:
+            self._seen[key] = hlo_collectives(self._hlo(grads), self.world_size)
+        self.steps[-1] = copy.deepcopy(self._seen[key])
+
+    def _hlo(self, grads: list[Any]) -> str:
+        import torch_xla
+
+        return torch_xla._XLAC._get_xla_tensors_hlo(grads)
 
 
 class SpmdGraphRecorder(XlaGraphRecorder):
     """SPMD: the collectives of the step as XLA partitioned it, for every device (one program runs on
     all of them). After the step's last backward the gradients' pending graph is compiled for its
     post-optimization HLO (:data:`POST_OPTIMIZATIONS`), an extra compile of the step's forward and
-    backward, about 2 s for the suite's Llama on 2 CPU cores, so a graph whose hash was already read
-    is not compiled again."""
-
-    def __init__(self, devices: int) -> None:
-        super().__init__(devices)
-        self._seen: dict[Any, dict[str, dict[str, Any]]] = {}
+    backward, about 2 s for the suite's Llama on 2 CPU cores."""
 
     def install(self) -> "SpmdGraphRecorder":
         os.environ[POST_OPTIMIZATIONS] = "1"
         return self
 
-    def after_backward(self, model: nn.Module) -> None:
-        import torch_xla
-
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        if not grads:
-            return
-        key = torch_xla._XLAC._get_graph_hash(grads)
-        if key not in self._seen:
-            text = torch_xla._XLAC._get_xla_tensors_hlo(grads)
-            if "is_scheduled=true" not in text.split("\n", 1)[0]:
-                raise RuntimeError(
-                    "shardcore-conformance: torch_xla returned the step's HLO before partitioning, which holds no "
-                    f"collectives: this process read {POST_OPTIMIZATIONS} before the suite set it (torch_xla reads "
-                    f"it once). Start the run with {POST_OPTIMIZATIONS}=1 in its environment."
-                )
-            self._seen[key] = hlo_collectives(text, self.world_size)
-        self.steps[-1] = copy.deepcopy(self._seen[key])
+    def _hlo(self, grads: list[Any]) -> str:
+        text = super()._hlo(grads)
+        if "is_scheduled=true" not in text.split("\n", 1)[0]:
+            raise RuntimeError(
+                "shardcore-conformance: torch_xla returned the step's HLO before partitioning, which holds no "
+                f"collectives: this process read {POST_OPTIMIZATIONS} before the suite set it (torch_xla reads "
+                f"it once). Start the run with {POST_OPTIMIZATIONS}=1 in its environment."
+            )
+        return text
 
 
 _HLO_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s64": 8, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1}

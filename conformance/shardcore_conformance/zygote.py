@@ -17,12 +17,15 @@ The runtime itself (XLA's PJRT client, a process group) starts in the child, nev
 forking a started runtime is unsafe.
 
 A zygote serves one client process and exits when that process is gone.
+
+After its imports a zygote freezes what they created (``gc.freeze()``, :func:`freeze_imports`).
 """
 
 from __future__ import annotations
 
 import array
 import atexit
+import gc
 import importlib
 import json
 import os
@@ -308,6 +311,7 @@ def _serve(address: str, client_pid: int, preload: list[str]) -> None:
     started_env = import_env(dict(os.environ))  # what a client asked for, before imports add to it
     for name in preload:
         importlib.import_module(name)
+    freeze_imports()
     imported_env = import_env(dict(os.environ))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(address + ".tmp")
@@ -341,6 +345,19 @@ def _serve(address: str, client_pid: int, preload: list[str]) -> None:
                 except ProcessLookupError:
                     pass
             return
+
+
+def freeze_imports() -> None:
+    """Keep the cycle collector of this process and of its forks off what was imported so far.
+
+    torch, torch_xla and Transformers leave about 490k objects that live as long as the process.
+    A full collection scans them all, about 0.2 s on a small CPU. torch_xla's XLA FSDP runs one for
+    each unit it wraps (``gc.collect()`` in ``XlaFullyShardedDataParallel.__init__``), and imports
+    and training trigger more: the suite's processes spent minutes of CPU in them. Frozen objects
+    are skipped by the collector and still freed by reference counting. CPython documents this for
+    a process that forks: it also keeps the collector from writing to the parent's pages."""
+    gc.collect()
+    gc.freeze()
 
 
 def _reap(waiting: dict[int, socket.socket]) -> None:

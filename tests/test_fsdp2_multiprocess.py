@@ -103,6 +103,12 @@ def test_workers_forked_from_the_preloading_server_train_as_fresh_interpreters_d
         pytest.skip("needs a machine without CUDA for the fork server; this one has a GPU")
     assert worker_start_method(None, False, {"SHARDCORE_CONFORMANCE_SCRATCH": "/tmp/x"}) == "forkserver"
     assert worker_start_method("fsdp2", False, {"CUDA_VISIBLE_DEVICES": ""}) == "forkserver"
+    # what run_suite adds for an XLA run's reference and for a CPU run: read when the run starts
+    xla_reference = {"SHARDCORE_CONFORMANCE_DEVICE": "xla", "SHARDCORE_CONFORMANCE_SCRATCH": "/tmp/x"}
+    assert worker_start_method(None, False, xla_reference) == "forkserver"
+    assert worker_start_method("fsdp2", False, {"SHARDCORE_DEVICE": "cpu", "SHARDCORE_CONFORMANCE_DEVICE": "cpu"}) == (
+        "forkserver"
+    )
     for env in ({"ATEN_CPU_CAPABILITY": "default"}, {"ONEDNN_MAX_CPU_ISA": "SSE41"}, {"USE_TORCH_XLA": "1"}):
         assert worker_start_method("fsdp2", False, env) == "spawn", env
     assert worker_start_method("xla", False, {}) == "spawn"
@@ -111,7 +117,7 @@ def test_workers_forked_from_the_preloading_server_train_as_fresh_interpreters_d
 
     cases = [Case("llama", "llama", {}), Case("gpt2-tied", "gpt2", {})]
     forked = run_cases(cases, None, 1, 180)
-    fresh = run_cases(cases, None, 1, 180, env={"SHARDCORE_TEST_FRESH_INTERPRETER": "1"})
+    fresh = run_cases(cases, None, 1, 180, start_method="spawn")
     for c in cases:
         assert forked[c.name]["losses"] == fresh[c.name]["losses"], c.name
         for k, v in fresh[c.name]["params"].items():

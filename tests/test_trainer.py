@@ -538,8 +538,9 @@ def test_the_trainer_example_runs_under_torchrun_and_accelerate_launch(tmp_path)
         cwd = tmp_path / name
         cwd.mkdir()
         out = harness.run(cmd, cwd=cwd, env=env, timeout=300)
-        assert out.returncode == 0, (name, harness.tail(out.stdout, out.stderr))
-        assert out.stdout.count("final loss") == 1, (name, out.stdout[-2000:])
+        # a text message: pytest cuts a tuple's repr to a few hundred characters, the cause included
+        assert out.returncode == 0, f"{name}: exit {out.returncode}\n{harness.tail(out.stdout, out.stderr)}"
+        assert out.stdout.count("final loss") == 1, f"{name}:\n{out.stdout[-2000:]}"
         export = cwd / "trainer-example"
         assert (export / "checkpoint-2" / "shardcore.json").is_file() and (export / "model.safetensors").is_file()
         LlamaForCausalLM.from_pretrained(export)

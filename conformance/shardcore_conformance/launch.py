@@ -71,8 +71,8 @@ def worker_start_method(backend: str | None, per_device: bool, env: dict[str, st
       torch_xla in the group's environment (torch_xla and Transformers choose their modes at import,
       so the fork server, which imported Transformers without XLA, cannot serve them);
     * ``spawn`` (a fresh interpreter): other XLA devices, a machine with CUDA (forking around a CUDA
-      context is unsafe), and a launch whose environment changes a variable outside
-      ``_FORK_SAFE_ENV`` from the fork server's.
+      context is unsafe), and a launch whose environment changes a variable an import may read
+      from the fork server's (:func:`cpu_fork_method`).
 
     A runner that is itself a zygote's fork (the CLI under the test suite) starts CPU workers of the
     zygote's environment as the zygote's forks too, where that zygote imported Transformers in
@@ -94,13 +94,22 @@ def worker_start_method(backend: str | None, per_device: bool, env: dict[str, st
 def cpu_fork_method(env: dict[str, str]) -> str:
     """``forkserver`` for CPU processes that run in this process's environment with ``env`` on top,
     from a fork server that imported :data:`_PRELOAD` once (started on first use); ``spawn`` where
-    ``env`` changes a variable outside ``_FORK_SAFE_ENV`` from the server's. The child must apply
-    ``env`` itself: a fork server's children inherit the server's environment, not the caller's."""
+    ``env`` changes a variable an import may read (:func:`.zygote.import_env`; not ``_FORK_SAFE_ENV``)
+    from the server's. The child must apply ``env`` itself: a fork server's children inherit the
+    server's environment, not the caller's. shardcore's ``SHARDCORE_*`` variables, the device the
+    suite certifies among them, are read when a run starts: the reference of an XLA run forks too."""
     global _server_env
     import multiprocessing.forkserver as forkserver
 
+    from .zygote import import_env
+
+    # the server inherits this environment, plus Transformers in plain-PyTorch mode (_worker); decided
+    # before it starts, so that a launch that must spawn does not start a server for nothing
+    server_env = _server_env if _server_env is not None else {**os.environ, "USE_TORCH_XLA": "0"}
+    changed = {k for k, v in import_env(env).items() if k not in _FORK_SAFE_ENV and server_env.get(k) != v}
+    if changed:
+        return "spawn"
     if _server_env is None:
-        # the server inherits this environment, plus Transformers in plain-PyTorch mode (_worker)
         saved = os.environ.get("USE_TORCH_XLA")
         os.environ["USE_TORCH_XLA"] = "0"
         try:
@@ -112,8 +121,7 @@ def cpu_fork_method(env: dict[str, str]) -> str:
                 del os.environ["USE_TORCH_XLA"]
             else:
                 os.environ["USE_TORCH_XLA"] = saved
-    changed = {k for k, v in env.items() if k not in _FORK_SAFE_ENV and _server_env.get(k) != v}
-    return "spawn" if changed else "forkserver"
+    return "forkserver"
 
 
 def _worker_env(env: dict[str, str]) -> dict[str, str]:

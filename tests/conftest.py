@@ -33,6 +33,13 @@ os.environ["XLA_FLAGS"] = harness.xla_flags(os.environ.get("XLA_FLAGS", ""))
 # compile a few tiny kernels; the kernels it writes are the same either way.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
+# Before its first CPU kernel, Inductor checks each vector ISA the CPU reports by loading a test
+# library in a fresh interpreter that imports torch (torch/_inductor/cpu_vec_isa.py), in every
+# process that compiles: about 2 CPU-s each. Set to 1, it trusts /proc/cpuinfo's flags for AVX2 and
+# AVX-512 and picks the same ISA, so the same kernels. Its AVX-512 BF16 check still runs (torch
+# 2.9 does not ask this setting): 3 such interpreters per compiling rank here became 1.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
+
 
 def pytest_collection_modifyitems(config, items):
     import torch

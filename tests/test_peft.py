@@ -63,6 +63,33 @@ def test_the_adapter_directory_is_what_peft_writes_and_loads(tmp_path):
     torch.testing.assert_close(_logits(loaded, probe), _logits(model, probe), rtol=0, atol=1e-6)
 
 
+def test_the_adapter_config_lists_target_modules_in_the_order_peft_writes_them(tmp_path):
+    """PEFT keeps ``target_modules`` as a set and writes it in the order its copy of the config
+    iterates. A further copy can iterate in another order (the hash seed decides; the test above
+    failed on PYTHONHASHSEED=9), so shardcore writes from the model's own config, as PEFT does. Here
+    a set whose copies reorder it, made so whatever the seed."""
+    import copy
+
+    from shardcore.integrations.peft import write_adapter_config
+
+    model = build_model("llama_lora", 0)
+    cfg = model.peft_config["default"]
+    names = [f"layers.{i}.proj" for i in range(64)]
+    for n in range(2, 64):
+        cfg.target_modules = set(names)  # a table sized for 64; copies of what is left get smaller ones
+        for name in names[n:]:
+            cfg.target_modules.discard(name)
+        if list(copy.deepcopy(cfg).to_dict()["target_modules"]) != list(cfg.to_dict()["target_modules"]):
+            break
+    else:
+        pytest.fail("no set whose copies iterate in another order was found")
+    write_adapter_config(tmp_path / "ours", model)
+    model.save_pretrained(tmp_path / "peft")
+    ours, theirs = (json.loads((tmp_path / d / ADAPTER_CONFIG).read_text()) for d in ("ours", "peft"))
+    assert ours["target_modules"] == theirs["target_modules"] and ours == theirs
+    assert cfg.inference_mode is False  # the model's own config is left as it was
+
+
 def test_merged_export_loads_as_a_plain_model(tmp_path):
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 

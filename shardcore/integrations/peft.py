@@ -87,7 +87,9 @@ def adapter_state(model: Any, state: dict[str, torch.Tensor]) -> dict[str, torch
 
 def write_adapter_config(tmp: Path, model: Any) -> None:
     """``adapter_config.json`` as ``PeftModel.save_pretrained`` writes it (inference mode on)."""
-    cfg = copy.deepcopy(model.peft_config[_adapter_name(model)])
+    # shallow: a deep copy rebuilds target_modules, a set, and the copy can iterate in another order
+    # than the original (it depends on the hash seed), so the file's list would differ from PEFT's
+    cfg = copy.copy(model.peft_config[_adapter_name(model)])
     cfg.inference_mode = True
     cfg.save_pretrained(str(tmp))
 

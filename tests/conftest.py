@@ -57,14 +57,6 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
-def pytest_collection_finish(session):
-    # the test modules imported torch, Transformers and torch_xla's helpers: about 500k objects that
-    # each automatic full collection of this long-lived process would scan again (zygote.py says why)
-    from shardcore_conformance.zygote import freeze_imports
-
-    freeze_imports()
-
-
 @pytest.fixture(autouse=True)
 def _no_process_group_left_behind():
     """shard() joins a one-rank process group where the script has none; left behind by one in-process

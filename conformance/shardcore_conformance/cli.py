@@ -176,9 +176,6 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         return _error(problem)
 
-    from .zygote import freeze_imports
-
-    freeze_imports()  # the cycle collector of this long run skips what the imports above created
     t0 = time.time()
     print(
         f"shardcore-conformance: backend {args.backend!r} on {device_type}, world size {args.world_size}, {len(cases)} cases "

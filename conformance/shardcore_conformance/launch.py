@@ -115,7 +115,7 @@ def cpu_fork_method(env: dict[str, str]) -> str:
         try:
             mp.set_forkserver_preload(_PRELOAD)
             forkserver.ensure_running()
-            _server_env = dict(os.environ)
+            _server_env = server_env
         finally:
             if saved is None:
                 del os.environ["USE_TORCH_XLA"]

@@ -12,6 +12,7 @@ import os
 import random
 import shutil
 import signal
+import sys
 
 import numpy as np
 import pytest
@@ -214,10 +215,77 @@ def test_managers_in_threads_share_the_handler_the_main_thread_installs(tmp_path
         run()
         assert errors == [] and seen == [True, True]
     finally:
-        signal.signal(signal.SIGUSR2, before)
-        from shardcore.checkpoint.manager import _SIGNALS
+        mgr._unlisten(signal.SIGUSR2)
+    assert signal.getsignal(signal.SIGUSR2) == before
 
-        _SIGNALS.installed.pop(signal.SIGUSR2, None)
+
+def test_a_signal_a_rank_thread_takes_is_seen_while_the_main_thread_waits(tmp_path):
+    """torch_xla's thread-per-device runner blocks the main thread until every rank returns, and
+    Python runs signal handlers in the main thread only. The kernel may hand the signal to a device
+    thread (here pthread_kill makes it): every rank still sees it, while the main thread waits."""
+    import concurrent.futures
+    import threading
+    import time
+
+    before = signal.getsignal(signal.SIGUSR2)
+    barrier = threading.Barrier(2)
+    main = threading.main_thread()
+
+    def main_blocked() -> bool:
+        # asleep in Condition.wait's lock acquire, which runs no bytecode, so no handler, until it returns
+        frame = sys._current_frames().get(main.ident)
+        with open(f"/proc/self/task/{main.native_id}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return frame is not None and frame.f_code.co_name == "wait" and state == "S"
+
+    def rank(i):
+        manager = shardcore.CheckpointManager(tmp_path / str(i), every=100, save_on_signal=signal.SIGUSR2)
+        try:
+            barrier.wait()
+            if i == 0:
+                deadline = time.monotonic() + 10
+                while not main_blocked() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert main_blocked(), "the main thread never waited for the ranks"
+                signal.pthread_kill(threading.get_ident(), signal.SIGUSR2)
+            deadline = time.monotonic() + 5
+            while not manager.signal_received and time.monotonic() < deadline:
+                time.sleep(0.001)
+            return manager.signal_received
+        finally:
+            manager.close()
+
+    shardcore.CheckpointManager.listen(signal.SIGUSR2)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as ranks:
+            seen = list(ranks.map(rank, range(2)))  # the main thread blocks here, as in torch_xla's runner
+        assert seen == [True, True]
+    finally:
+        mgr._unlisten(signal.SIGUSR2)
+    assert signal.getsignal(signal.SIGUSR2) == before
+    assert signal.set_wakeup_fd(-1) == -1, "the last manager closed, and shardcore's wakeup pipe is still set"
+
+
+@pytest.mark.multiprocess
+def test_a_forked_childs_signal_is_not_its_parents(tmp_path):
+    """A fork inherits the wakeup pipe's descriptors: without a pipe of its own, the child's signal
+    would reach the parent's managers."""
+    before = signal.getsignal(signal.SIGUSR2)
+    manager = shardcore.CheckpointManager(tmp_path, every=100, save_on_signal=signal.SIGUSR2)
+    try:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.kill(os.getpid(), signal.SIGUSR2)
+            finally:
+                os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert not manager.signal_received, "the child's SIGUSR2 reached the parent's manager"
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert manager.signal_received
+    finally:
+        manager.close()
+    assert signal.getsignal(signal.SIGUSR2) == before
 
 
 @pytest.mark.parametrize(

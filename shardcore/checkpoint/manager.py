@@ -144,7 +144,7 @@ class CheckpointManager:
     def signal_received(self) -> bool:
         """Whether this process has received ``save_on_signal`` (on this rank only; ``should_save``
         is where the ranks agree)."""
-        return self._signal in _SIGNALS.seen
+        return self._signal is not None and _received(self._signal)
 
     def should_save(self, step: int, model: nn.Module | None = None) -> bool:
         """Whether ``step`` is one to save: a multiple of ``every``, or the first step after any
@@ -365,17 +365,67 @@ class Background:
 
 class _SIGNALS:
     """One handler per signal for the whole process, shared by its managers: where the ranks are
-    threads of one process, only the main thread may install it, and every rank must see it."""
+    threads of one process, only the main thread may install it, and every rank must see it.
+
+    The handler alone is not enough there. The kernel may hand a process's signal to any thread, and
+    Python runs the handler in the main thread only, between two of its bytecodes. torch_xla's
+    thread-per-device runner blocks the main thread until every rank returns, so a signal taken by
+    a device thread stayed unseen for the whole run. The C-level handler also writes the signal's
+    number to the wakeup pipe, at once, in whichever thread took it; every rank reads it there."""
 
     lock = threading.Lock()
     #: signal -> [the handler before shardcore's, managers using it]
     installed: dict[signals.Signals, list] = {}
     seen: set[signals.Signals] = set()
+    #: (read end, write end) of the pipe set with signal.set_wakeup_fd; None where another wakeup fd
+    #: was set first (asyncio's), which shardcore leaves in place
+    wakeup: tuple[int, int] | None = None
 
 
 def _on_signal(signum: int, frame: Any) -> None:
     # only a flag: the save itself is collective and must run in the loop, on every rank
     _SIGNALS.seen.add(signals.Signals(signum))
+
+
+def _received(sig: signals.Signals) -> bool:
+    with _SIGNALS.lock:
+        if _SIGNALS.wakeup is not None:
+            while True:
+                try:
+                    data = os.read(_SIGNALS.wakeup[0], 4096)
+                except BlockingIOError:
+                    break
+                # bytes of signals shardcore does not handle (SIGINT) are Python's business, not ours
+                _SIGNALS.seen.update(s for s in _SIGNALS.installed if s.value in data)
+                if len(data) < 4096:
+                    break
+        return sig in _SIGNALS.seen
+
+
+def _install_wakeup() -> None:
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    os.set_blocking(w, False)
+    previous = signals.set_wakeup_fd(w, warn_on_full_buffer=False)
+    if previous != -1:  # asyncio's, or the user's: theirs stays, and the handler alone sets the flag
+        signals.set_wakeup_fd(previous)
+        os.close(r)
+        os.close(w)
+        return
+    _SIGNALS.wakeup = (r, w)
+
+
+def _close_wakeup(restore: bool) -> None:
+    if _SIGNALS.wakeup is None:
+        return
+    r, w = _SIGNALS.wakeup
+    _SIGNALS.wakeup = None
+    if restore:
+        previous = signals.set_wakeup_fd(-1)
+        if previous != w:  # set by someone after shardcore: theirs
+            signals.set_wakeup_fd(previous)
+    os.close(r)
+    os.close(w)
 
 
 def _listen(sig: signals.Signals, user: bool = True) -> bool:
@@ -386,6 +436,8 @@ def _listen(sig: signals.Signals, user: bool = True) -> bool:
             if threading.current_thread() is not threading.main_thread():
                 return False
             _SIGNALS.seen.discard(sig)
+            if not _SIGNALS.installed:
+                _install_wakeup()
             entry = _SIGNALS.installed[sig] = [signals.signal(sig, _on_signal), 0]
         entry[1] += int(user)
         return True
@@ -403,6 +455,23 @@ def _unlisten(sig: signals.Signals) -> None:
             signals.signal(sig, entry[0])
             del _SIGNALS.installed[sig]
             _SIGNALS.seen.discard(sig)
+            if not _SIGNALS.installed:
+                _close_wakeup(restore=True)
+
+
+def _after_fork_in_child() -> None:
+    # a forked child shares the parent's pipe: each would read the other's signals. It gets its own
+    # (os.fork makes the forking thread the child's main thread, which may set it).
+    if _SIGNALS.wakeup is not None:
+        _close_wakeup(restore=False)
+        _SIGNALS.lock = threading.Lock()
+        try:
+            _install_wakeup()
+        except ValueError:  # forked from a thread of a subinterpreter: the handler alone, as before
+            pass
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # ---------------------------------------------------------------------------------------- helpers

@@ -55,8 +55,8 @@ def job(mode: str, d: Path, kind: str, saves: str, kill: tuple[str, int], saving
         if kill == ("sigterm", step):
             if rank == 0:
                 os.kill(os.getpid(), signal.SIGTERM)
-            # the handler runs in the main thread, between two of its bytecodes: the signal has
-            # arrived in this step once it has run
+            # the kernel hands the signal to any thread of the process; it has arrived in this
+            # step once shardcore has seen it (its wakeup pipe, while the main thread waits)
             while not manager.signal_received:
                 time.sleep(0.01)
         counter.batches += 1

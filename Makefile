@@ -97,10 +97,11 @@ test-newest: setup-newest
 	  --no-plots -q --report conformance-report/torch-newest
 
 # Every test that starts no process (tests/process_guard.py fails collection when a test that
-# launches one lacks the multiprocess marker), so it stays fast enough to run after each edit.
+# launches one lacks the multiprocess marker), so it stays fast enough to run after each edit. On
+# both workers: the planner's predictions alone take 30 s serially.
 test-fast: setup
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -rs -m "not multiprocess" tests
+	$(PY) -m pytest -q -rs -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not multiprocess" tests
 
 # The checkpoint fuzz campaign at length (CI runs a bounded, seeded one): FUZZ_EXAMPLES mutated
 # checkpoints per family, in-process and on FSDP2 ranks and XLA devices.

@@ -2,6 +2,8 @@
 the test harness runs XLA programs that way, and the conformance runner its XLA workers."""
 
 import json
+import os
+import signal
 import sys
 
 import pytest
@@ -147,6 +149,22 @@ def test_a_forked_program_can_spawn_processes(program):
 def test_a_forked_program_past_its_deadline_is_killed(program):
     with pytest.raises(pytest.fail.Exception, match="did not finish within 3s"):
         harness.run([sys.executable, program, "sleep"], env=env(), timeout=3)
+
+
+def test_the_deadline_kill_reaches_a_program_before_its_setsid():
+    """A zygote's fork is returned before it calls setsid(); until then no process group has its
+    pid, and a kill of the group alone missed it (on a busy machine, one slept on past the kill).
+    Here a process that never leads a group of its own stands in for it."""
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        assert os.getpgid(proc.pid) != proc.pid
+        harness.kill_group(proc)
+        assert proc.returncode == -signal.SIGKILL
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_a_fork_starts_programs_and_cpu_workers_as_forks_of_its_own_zygote(program):

@@ -256,13 +256,13 @@ def kill_group(proc: subprocess.Popen) -> None:
             os.kill(pid, signal.SIGSTOP)  # no rank may start another process while we kill
         except ProcessLookupError:
             pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
     # the process itself too: a zygote's fork is returned before it calls setsid(), and until then
     # no group has its pid (a busy machine once left one asleep past the 30 s below)
-    for kill in (os.killpg, os.kill):
-        try:
-            kill(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    proc.kill()
     for pid in below:
         try:
             os.kill(pid, signal.SIGKILL)

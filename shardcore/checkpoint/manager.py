@@ -415,15 +415,14 @@ def _install_wakeup() -> None:
     _SIGNALS.wakeup = (r, w)
 
 
-def _close_wakeup(restore: bool) -> None:
+def _close_wakeup() -> None:
     if _SIGNALS.wakeup is None:
         return
     r, w = _SIGNALS.wakeup
     _SIGNALS.wakeup = None
-    if restore:
-        previous = signals.set_wakeup_fd(-1)
-        if previous != w:  # set by someone after shardcore: theirs
-            signals.set_wakeup_fd(previous)
+    previous = signals.set_wakeup_fd(-1)
+    if previous != w:  # set by someone after shardcore: theirs
+        signals.set_wakeup_fd(previous)
     os.close(r)
     os.close(w)
 
@@ -456,16 +455,17 @@ def _unlisten(sig: signals.Signals) -> None:
             del _SIGNALS.installed[sig]
             _SIGNALS.seen.discard(sig)
             if not _SIGNALS.installed:
-                _close_wakeup(restore=True)
+                _close_wakeup()
 
 
 def _after_fork_in_child() -> None:
-    # a forked child shares the parent's pipe: each would read the other's signals. It gets its own
-    # (os.fork makes the forking thread the child's main thread, which may set it).
+    # a forked child shares the parent's pipe, and its C-level wakeup fd is the parent's write end:
+    # each would read the other's signals. It gets its own (os.fork makes the forking thread the
+    # child's main thread, which may set it).
     if _SIGNALS.wakeup is not None:
-        _close_wakeup(restore=False)
         _SIGNALS.lock = threading.Lock()
         try:
+            _close_wakeup()
             _install_wakeup()
         except ValueError:  # forked from a thread of a subinterpreter: the handler alone, as before
             pass

@@ -286,17 +286,24 @@ class TorchDistributedRuntime:
     def local_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's contiguous slice (along dim 0) of a global batch, on this rank's device."""
         w = self.world()
-        check_batch_divides(batch, w.size, "ranks")
-        out = {}
-        for k, v in batch.items():
-            n = v.shape[0] // w.size
-            out[k] = v[w.rank * n : (w.rank + 1) * n].to(w.device)
-        return out
+        return slice_rows(batch, w.rank, w.size, w.device, "ranks")
 
     def _device(self) -> torch.device:
         from . import devices
 
         return devices.current_device()
+
+
+def slice_rows(
+    batch: dict[str, torch.Tensor], index: int, parts: int, device: Any, what: str
+) -> dict[str, torch.Tensor]:
+    """Part ``index`` of ``parts`` contiguous slices of every field along dim 0, on ``device``."""
+    check_batch_divides(batch, parts, what)
+    out = {}
+    for k, v in batch.items():
+        n = v.shape[0] // parts
+        out[k] = v[index * n : (index + 1) * n].to(device)
+    return out
 
 
 def check_batch_divides(batch: dict[str, Any], parts: int, what: str) -> None:

@@ -8,7 +8,7 @@ last and takes every parameter no unit took.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable
 
 import torch
@@ -17,6 +17,7 @@ from torch import nn
 from .config import ShardConfig
 from .errors import WrapPlanError
 from .ties import tie_groups
+from .tp import TPPlan, build_tp_plan
 
 # As torch's size_based_auto_wrap_policy: containers are never units themselves.
 _CONTAINER_TYPES = (nn.ModuleList, nn.ModuleDict)
@@ -42,6 +43,8 @@ class WrapPlan:
     policy: str
     units: tuple[Unit, ...]  # children first, root excluded
     root: Unit
+    #: tensor parallelism's split (``tp_size`` > 1), applied before the units are sharded
+    tp: TPPlan | None = None
 
     def all_units(self) -> tuple[Unit, ...]:
         return self.units + (self.root,)
@@ -54,6 +57,8 @@ class WrapPlan:
         rows = [f"policy: {self.policy}", f"{'unit':<48} {'class':<28} {'params':>12}"]
         for u in self.all_units():
             rows.append(f"{(u.path or '<root>'):<48} {u.cls:<28} {u.num_params:>12,}")
+        if self.tp is not None:
+            rows.append(self.tp.describe())
         return "\n".join(rows)
 
 
@@ -70,7 +75,7 @@ def build_plan(model: nn.Module, config: ShardConfig) -> WrapPlan:
     else:  # pragma: no cover - ShardConfig validated it
         raise WrapPlanError("auto_wrap_policy", f"unknown policy {policy!r}")
     _check_no_shared_params(model, chosen)
-    return _make_plan(model, policy, chosen)
+    return replace(_make_plan(model, policy, chosen), tp=build_tp_plan(model, config))
 
 
 def _transformer_classes(model: nn.Module, config: ShardConfig) -> set[str]:

@@ -55,27 +55,43 @@ def check_supported_keys(config: ShardConfig, backend: Any) -> None:
 
 
 def data_parallel_shape(config: ShardConfig, world_size: int) -> tuple[int, int]:
-    """``(dp_replicate_size, dp_shard_size)`` for ``world_size`` ranks, accelerate's meanings: both
-    unset is pure sharding over every rank; one set decides the other; both set must multiply to
-    the world size. Every rank computes the same answer, so every rank raises the same error."""
+    """``(dp_replicate_size, dp_shard_size)`` for ``world_size`` ranks, accelerate's meanings: the
+    ranks not in one tensor-parallel group (``tp_size``, the innermost dim) are data-parallel; both
+    unset is pure sharding over all of those; one set decides the other; both set must multiply to
+    them. Every rank computes the same answer, so every rank raises the same error."""
+    tp = config.tp_size
+    if world_size % tp:
+        raise ShardConfigError(
+            "tp_size",
+            f"is {tp} but the world size {world_size} is not a multiple of it, so the ranks do not form whole "
+            f"tensor-parallel groups. Use a divisor of {world_size}, or launch a multiple of {tp} ranks.",
+        )
+    ranks = world_size // tp
+    times_tp = f" x tp_size {tp}" if tp > 1 else ""
+    whose = (
+        f"world size {world_size}"
+        if tp == 1
+        else f"data-parallel size {ranks} (world size {world_size} / tp_size {tp})"
+    )
     r, s = config.dp_replicate_size, config.dp_shard_size
     if r is None and s is None:
-        return 1, world_size
+        return 1, ranks
     given = "dp_replicate_size" if r is not None else "dp_shard_size"
     if r is None or s is None:
-        if world_size % (r or s):
+        if ranks % (r or s):
             raise ShardConfigError(
                 given,
-                f"is {r or s} but the world size {world_size} is not a multiple of it, so no dp_replicate_size x "
-                f"dp_shard_size mesh covers the ranks. Use a divisor of {world_size}, or launch a multiple of "
-                f"{r or s} ranks.",
+                f"is {r or s} but the {whose} is not a multiple of it, so no dp_replicate_size x "
+                f"dp_shard_size{times_tp} mesh covers the ranks. Use a divisor of {ranks}, or launch a multiple of "
+                f"{(r or s) * tp} ranks.",
             )
-        r, s = (r, world_size // r) if r is not None else (world_size // s, s)
-    if r * s != world_size:
+        r, s = (r, ranks // r) if r is not None else (ranks // s, s)
+    if r * s != ranks:
         raise ShardConfigError(
             "dp_replicate_size",
-            f"is {r} and dp_shard_size is {s}, which make {r * s} ranks, but the world size is {world_size}. "
-            "Set them so that dp_replicate_size x dp_shard_size equals the number of ranks (or set only one).",
+            f"is {r} and dp_shard_size is {s}, which make {r * s * tp} ranks{' with tp_size ' + str(tp) if tp > 1 else ''}, "
+            f"but the world size is {world_size}. Set them so that dp_replicate_size x dp_shard_size{times_tp} equals "
+            "the number of ranks (or set only one).",
         )
     return r, s
 

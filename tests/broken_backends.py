@@ -208,3 +208,42 @@ class WritesAsyncSavesNowBackend(FSDP2Backend):
     def async_save_sharded_state_dict(self, model, optimizer, path):
         self.save_sharded_state_dict(model, optimizer, path)
         return lambda: None
+
+
+class IgnoresTensorParallelBackend(FSDP2Backend):
+    """FSDP2 that accepts ``tp_size`` and shards every rank as one data-parallel group: the same
+    numbers (every rank trains on its own rows), none of the split."""
+
+    name = "broken-ignores-tp"
+
+    def apply(self, model, plan, config):
+        import dataclasses
+
+        return super().apply(model, dataclasses.replace(plan, tp=None), _without(config, tp_size=1, tp_plan=None))
+
+
+class SplitsRowwiseColwiseBackend(FSDP2Backend):
+    """FSDP2 with tensor parallelism whose style table maps ``rowwise`` to a column split that first
+    gathers its input and then its output: the same numbers, the other dim of each weight split,
+    and an all-gather of the activations where a row split sums them."""
+
+    name = "broken-rowwise-as-colwise"
+
+    def apply(self, model, plan, config):
+        import shardcore_fsdp2.tensor_parallel as tensor_parallel
+
+        right = tensor_parallel.torch_style
+
+        def wrong(style):
+            if style == "rowwise":
+                from torch.distributed.tensor import Replicate, Shard
+                from torch.distributed.tensor.parallel import ColwiseParallel
+
+                return ColwiseParallel(input_layouts=Shard(-1), output_layouts=Replicate())
+            return right(style)
+
+        tensor_parallel.torch_style = wrong
+        try:
+            return super().apply(model, plan, config)
+        finally:
+            tensor_parallel.torch_style = right

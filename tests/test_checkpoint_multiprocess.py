@@ -75,6 +75,33 @@ def test_hsdp_checkpoints_resume_into_other_layouts(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_tp_checkpoints_resume_into_other_layouts(tmp_path):
+    """4 ranks through (dp_shard 2 x tp 2) -> (dp_shard 4) -> (tp 4) -> (2 replicas x tp 2), both
+    formats: every load gives back exactly the parameters and AdamW state the previous layout saved,
+    training goes on as a straight run would, and the last FULL checkpoint of a TP model is one
+    ``from_pretrained`` loads."""
+    from transformers import AutoModelForCausalLM
+
+    torchrun(4, "ckpt_tp", str(tmp_path), timeout=420)
+    got = load_pt(tmp_path / "tp_chain.pt")
+    straight = got["straight"]
+    for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+        runs = got[kind]
+        assert [r["layout"].get("tp_size", 1) for r in runs] == [2, 1, 4, 2]
+        for before, after in zip(runs, runs[1:]):
+            assert_same_state(after["loaded"]["params"], before["saved"]["params"])
+            assert_same_state(after["loaded"]["optim"], before["saved"]["optim"])
+        losses = [x for r in runs for x in r["losses"]]
+        assert len(losses) == len(straight) == 6
+        for a, b in zip(losses, straight):  # other layouts reduce in another order: equal up to rounding
+            assert abs(a - b) <= 1e-5 * abs(b), (kind, losses, straight)
+    last = got["FULL_STATE_DICT"][-1]["saved"]["params"]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "tp-FULL_STATE_DICT-3")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert_same_state({k: v.float() for k, v in state_of(model).items()}, {k: v.float() for k, v in last.items()})
+
+
+@pytest.mark.multiprocess
 def test_full_checkpoint_is_from_pretrained_loadable(runs):
     from transformers import AutoModelForCausalLM
 

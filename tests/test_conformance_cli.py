@@ -121,9 +121,11 @@ def test_cli_runs_cases_and_writes_the_report(fsdp2_matrix_run):
     assert len(resumed) >= 3 and all(r["resume_at"] == 2 for r in resumed), resumed
     assert [(h["type"], h["name"]) for h in doc["hardware"]] == [("cpu", cpu_name())] * 2
     assert {"torch", "transformers"} <= set(doc["versions"])
-    for r in doc["cases"]:  # every case said where it ran
+    for r in doc["cases"]:  # every case said where it ran, and a tp case how it split its weights
         want = "cpu"
+        split = r["placement"].pop("tp_split", None)
         assert r["placement"] == {"batch": [want], "loss": want, "params": [want], "grads": [want]}, r["case"]
+        assert bool(split) == ("tp_size" in r["config"]), r["case"]
     assert doc["tolerances"]["fp32"]["param_atol"] == TOLERANCES["fp32"].param_atol
     rows = {r["case"]: r for r in doc["cases"]}
     assert set(rows) >= set(pattern.split(","))
@@ -268,6 +270,60 @@ def test_hsdp_on_four_ranks_matches_and_a_missing_replica_all_reduce_is_caught(t
         + ["--cases", "hsdp2x2-mlp,hsdp2x2-llama", "--report", str(tmp_path / "bad"), "--no-plots"]
     )
     assert bad.returncode == 1 and _summary(bad, "FAIL", "0/2"), bad.stdout[-3000:] + bad.stderr[-3000:]
+
+
+@pytest.mark.multiprocess
+def test_tp_on_four_ranks_matches_and_its_evidence_is_observed(tmp_path):
+    """Tensor parallelism under FSDP on 4 gloo ranks (dp_shard 2 x tp 2, and 2 replicas x tp 2):
+    every tp case matches the single-device run, its collectives are the predicted ones (FSDP's on
+    the data-parallel ranks, TP's on the tp pairs) and each weight is split as the plan says. The
+    2-rank tp cases run in the whole matrix above."""
+    out = _run(
+        ["--backend", "fsdp2", "--world-size", "4", "--cases", "*tp2-*", "--report", str(tmp_path), "--no-plots"]
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    doc = json.loads((tmp_path / "report.json").read_text())
+    rows = {c["case"]: c for c in doc["cases"]}
+    assert {"dp2-tp2-llama", "dp2-tp2-qwen2", "dp2-tp2-llama-ac1", "hsdp2x1-tp2-llama"} <= set(rows)
+    assert {"dp2-tp2-llama-sharded_state_dict", "dp2-tp2-qwen2-sharded_state_dict", "dp2-tp2-clip-llama"} <= set(rows)
+    assert doc["ok"] and all(c["comm_checked"] for c in doc["cases"])
+    for name in ("dp2-tp2-llama", "dp2-tp2-qwen2"):
+        comm = rows[name]["comm"]
+        # FSDP's gathers and reduce-scatters over the dp pair, TP's sums of activations over the tp pair
+        assert comm["reduce_scatter"]["count"] and comm["all_reduce"]["count"] >= 16, (name, comm)
+        split = rows[name]["placement"]["tp_split"]
+        assert split["model.layers.0.self_attn.o_proj.weight"] == 1 and split["model.embed_tokens.weight"] == 0, split
+    for key in ("tp_size", "tp_plan"):
+        assert set(doc["evidence"][key]["observed_by"]) == {"communication", "placement"}, doc["evidence"][key]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "backend, placement",
+    [
+        # runs every rank as one FSDP group: the numbers are right, nothing is split
+        (
+            "IgnoresTensorParallelBackend",
+            " is not split over the tp mesh dim; the plan (tp_size 2) has it split along dim 0",
+        ),
+        # gathers where it should sum: the numbers are right, the other dim of each rowwise weight is split
+        (
+            "SplitsRowwiseColwiseBackend",
+            "'s model.layers.0.mlp.down_proj.weight is split along dim 0 over the tp mesh dim; the plan (tp_size 2) has it split along dim 1",
+        ),
+    ],
+)
+def test_suite_catches_a_backend_that_gets_tensor_parallelism_wrong(backend, placement):
+    from shardcore_conformance import run_suite, select
+
+    chosen = select(fsdp2_matrix(), "tp2-llama,tp2-qwen2")
+    result = run_suite(chosen, f"broken_backends:{backend}", world_size=2, plots=False)
+    assert not result.ok and len(result.verdicts) == 2
+    for v in result.verdicts:
+        comm, split = v.reasons
+        assert comm.startswith("communication differs at step 0 on rank 0: ") and "all_gather calls, expected 1" in comm
+        assert split.startswith("tensor parallelism: rank 0") and placement in split, split
+        assert v.max_param_diff <= v.tolerance["param_atol"] and v.max_loss_diff <= v.tolerance["loss_atol"], v.case
 
 
 @pytest.mark.multiprocess

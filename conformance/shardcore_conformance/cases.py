@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import fnmatch
 import itertools
+import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -259,6 +260,8 @@ def _matrix(backend: Any, world_size: int = 2, dtype: str | None = None) -> list
         _clipping_cases(add, keys)
     if {"dp_replicate_size", "dp_shard_size"} <= keys and world_size >= 2:
         _hsdp_cases(add, keys, world_size, _clips(backend))
+    if {"tp_size", "tp_plan"} <= keys and world_size % 2 == 0:
+        _tp_cases(add, keys, world_size, _clips(backend))
     if "torch_compile" in keys:
         _compile_cases(add, keys, world_size, _clips(backend))
     if _peft_installed():
@@ -429,6 +432,49 @@ def _hsdp_cases(add: Any, keys: frozenset[str], world_size: int, clips: bool) ->
             add(f"{tag}-gpt2", "gpt2", mesh, family="hsdp")
             if clips:  # the norm is over the shards of one replica, not over every rank
                 add(f"{tag}-clip-llama", "llama", mesh, max_grad_norm=CLIP_NORM, family="hsdp")
+
+
+#: an explicit tp_plan (the MLPs only, attention's output projection taking its input whole): the
+#: key observed by the cases, and two styles the models' own plans do not use
+TP_PLAN = {
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+    "model.layers.*.self_attn.o_proj": "rowwise_split_input",
+    "lm_head": "colwise_gather_output",
+}
+
+
+def _tp_cases(add: Any, keys: frozenset[str], world_size: int, clips: bool) -> None:
+    """Tensor parallelism over pairs of ranks (``tp_size`` 2): pure TP on 2 ranks (``tp2-``), TP
+    under FSDP on more (``dp2-tp2-`` on 4: dp_shard 2 x tp 2; ``hsdp2x1-tp2-``: 2 replicas x tp 2).
+    Llama (its own plan, GQA) and Qwen2 (its own plan, biased q/k/v, tied embeddings split along
+    the vocabulary), each with the structural knobs, accumulation, clipping and resume in both
+    checkpoint formats. Besides the numbers, the placement check holds every weight to the plan's
+    split on the ``tp`` mesh dim and the communication check counts TP's collectives.
+    (No bf16 case yet: a rowwise layer's partial sums are rounded to bf16 before they are summed,
+    which the single-device bf16 reference does not do; docs/tensor_parallel.md.)"""
+    dp = world_size // 2
+    tag = "tp2" if dp == 1 else f"dp{dp}-tp2"
+    tp = {"tp_size": 2}
+    add(f"{tag}-llama", "llama_tp", tp, family="tp")
+    add(f"{tag}-qwen2", "qwen2_tp", tp, family="tp")
+    add(f"{tag}-llama-plan", "llama_tp", {**tp, "tp_plan": TP_PLAN}, family="tp")
+    if "activation_checkpointing" in keys:
+        add(f"{tag}-llama-ac1", "llama_tp", {**tp, "activation_checkpointing": True}, family="tp")
+    if "reshard_after_forward" in keys:
+        add(f"{tag}-llama-reshard0", "llama_tp", {**tp, "reshard_after_forward": False}, family="tp")
+    add(f"{tag}-grad_accum-llama", "llama_tp", tp, grad_accum=2, family="tp")
+    if clips:
+        add(f"{tag}-clip-llama", "llama_tp", tp, max_grad_norm=CLIP_NORM, family="tp")
+        add(f"{tag}-clip-qwen2-inf", "qwen2_tp", tp, max_grad_norm=CLIP_NORM, norm_type=math.inf, family="tp")
+    add(f"{tag}-llama-resume", "llama_tp", tp, resume_at=RESUME_AT, family="tp")
+    if "state_dict_type" in keys:
+        sharded = {**tp, "state_dict_type": "SHARDED_STATE_DICT"}
+        add(f"{tag}-llama-sharded_state_dict", "llama_tp", sharded, resume_at=RESUME_AT, family="tp")
+        add(f"{tag}-qwen2-sharded_state_dict", "qwen2_tp", sharded, resume_at=RESUME_AT, family="tp")
+    if {"dp_replicate_size", "dp_shard_size"} <= keys and dp >= 2:
+        add(f"hsdp{dp}x1-tp2-llama", "llama_tp", {**tp, "dp_replicate_size": dp}, family="tp")
 
 
 #: the compile cases that cross ``torch_compile`` with another knob use the ``aot_eager`` backend:

@@ -82,11 +82,15 @@ class CommRecorder:
     calls another (``_all_gather_base`` -> ``all_gather_into_tensor``) counts once.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, functional: bool = False) -> None:
         self.steps: list[dict[str, dict[str, Any]]] = []
         self._step: dict[str, dict[str, Any]] | None = None
         self._saved: dict[tuple[Any, str], Any] = {}
         self._local = threading.local()
+        # tensor parallelism's collectives: DTensor calls torch's functional collectives, which no
+        # torch.distributed function sees. A dispatch mode does (only where the case splits tensors:
+        # it puts every op through Python)
+        self._functional = functional
 
     _active: "CommRecorder | None" = None
 
@@ -154,9 +158,54 @@ class CommRecorder:
         """Count the collectives run inside (the current step's forward and backward)."""
         self._step = self.steps[-1]
         try:
-            yield
+            with _functional_collectives(self) if self._functional else contextlib.nullcontext():
+                yield
         finally:
             self._step = None
+
+
+#: torch's functional collective (``torch.ops._c10d_functional``) -> (kind, the full-size tensor's
+#: multiple of its input: an all-gather's output is its input times the group)
+_FUNCTIONAL = {
+    "all_reduce": ("all_reduce", False),
+    "all_reduce_": ("all_reduce", False),
+    "all_gather_into_tensor": ("all_gather", True),
+    "all_gather_into_tensor_out": ("all_gather", True),
+    "reduce_scatter_tensor": ("reduce_scatter", False),
+}
+
+
+def _functional_collectives(recorder: CommRecorder) -> Any:
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            # modes run before tensor subclasses: let DTensor turn the op into collectives first
+            # (as torch's CommDebugMode does), and see those
+            if any(t is DTensor for t in types):
+                return NotImplemented
+            kwargs = kwargs or {}
+            if func.namespace == "_c10d_functional" and recorder._step is not None:
+                spec = _FUNCTIONAL.get(func._opname)
+                if spec is not None:
+                    kind, gathered = spec
+                    size = _functional_group_size(func, args, kwargs)
+                    nbytes = _nbytes(args[0]) * (size if gathered else 1)
+                    recorder._note(kind, nbytes, size)
+            return func(*args, **kwargs)
+
+    return Mode()
+
+
+def _functional_group_size(func: Any, args: Any, kwargs: Any) -> int:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    bound = dict(zip((a.name for a in func._schema.arguments), args))
+    bound.update(kwargs)
+    if "group_size" in bound:
+        return int(bound["group_size"])
+    return _resolve_process_group(bound["group_name"]).size()
 
 
 def _empty_step() -> dict[str, dict[str, Any]]:
@@ -165,7 +214,7 @@ def _empty_step() -> dict[str, dict[str, Any]]:
     return {k: {"count": 0, "bytes": 0, "group_sizes": [], "groups": []} for k in KINDS}
 
 
-def recorder_for(runtime: Any, world_size: int) -> Any:
+def recorder_for(runtime: Any, world_size: int, tensor_parallel: bool = False) -> Any:
     """How the suite sees a backend's collectives (``communication_pattern``): XLA FSDP in each rank's
     traced graph, SPMD in the partitioned program (:mod:`.xla_comm`), anything else at
     ``torch.distributed``'s functions."""
@@ -180,7 +229,7 @@ def recorder_for(runtime: Any, world_size: int) -> Any:
         from .xla_comm import SpmdGraphRecorder
 
         return SpmdGraphRecorder(xr.global_runtime_device_count()).install()
-    return CommRecorder().install()
+    return CommRecorder(functional=tensor_parallel).install()
 
 
 def _group_size(group: Any) -> int:
@@ -228,18 +277,43 @@ def autograd_facts(model: nn.Module, plan: Any, run_step: Any) -> list[dict[str,
                 )
 
         handles.append(model.get_submodule(u.path).register_forward_hook(hook))
+    tp = getattr(plan, "tp", None)
+    split: dict[str, dict[str, Any]] = {}  # tensor-parallel module -> its style and activations' bytes
+    for name, style in tp.styles if tp is not None else ():
+
+        def record(module: nn.Module, args: Any, output: Any, name: str = name, style: str = style) -> None:
+            x, y = _tensors(args)[0], _tensors(output)[0]
+            split.setdefault(
+                name,
+                {
+                    "name": name,
+                    "style": style,
+                    "in_elems": x.numel(),
+                    "in_size": x.element_size(),
+                    "in_grad": x.requires_grad,
+                    "out_elems": y.numel(),
+                    "out_size": y.element_size(),
+                },
+            )
+
+        handles.append(model.get_submodule(name).register_forward_hook(record))
     try:
         run_step(model)
     finally:
         for h in handles:
             h.remove()
     params = dict(model.named_parameters())
+    split_dims = tp.split_dims() if tp is not None else {}
     out = []
     for u in units:
         names = [n for n in u.param_names if n in params]
         out.append(
             {
                 "path": u.path,
+                # tensor parallelism: the dim of each parameter the tp ranks split, and the split
+                # modules whose forward is this unit's (so recomputed with it)
+                "tp_split": {n: split_dims[n] for n in names if n in split_dims},
+                "tp_modules": [f for m, f in split.items() if _owner(m, units) == u.path],
                 "params": [[n, list(params[n].shape), params[n].element_size()] for n in names],
                 "in_backward": reached[u.path],
                 # FSDP2 prefetches, in the backward of a unit, the unit that finished forward just
@@ -251,6 +325,12 @@ def autograd_facts(model: nn.Module, plan: Any, run_step: Any) -> list[dict[str,
             }
         )
     return out
+
+
+def _owner(module: str, units: Any) -> str:
+    """The unit whose forward runs ``module``: the deepest unit above it, else the root."""
+    above = [u.path for u in units if u.path and (module == u.path or module.startswith(u.path + "."))]
+    return max(above, key=len, default="")
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:
@@ -307,13 +387,22 @@ def expected_fsdp(
             out[kind]["bytes"][1] += count * hi
             out[kind]["why"].append(why)
 
+    tp = config.tp_size
+
+    def local(name: str, shape: list[int]) -> list[int]:
+        """The part of a parameter one tp rank holds, which FSDP then shards."""
+        dim = u.get("tp_split", {}).get(name)
+        return shape if dim is None else [d // tp if i == dim else d for i, d in enumerate(shape)]
+
     for u in units:
+        if tp > 1:
+            _expect_tensor_parallel(u, config, replicas * shards, a, add)
         if not u["params"]:
             continue
         name = u["path"] or "<root>"
         lo = hi = 0
-        for _, shape, size in u["params"]:
-            n, padded = _padded(shape, shards)
+        for pname, shape, size in u["params"]:
+            n, padded = _padded(local(pname, shape), shards)
             lo += n * (gather_size or size)
             hi += padded * (gather_size or size)
         again = reshard and u["path"] != "" and (u["in_backward"] or u.get("prefetched", False))
@@ -324,7 +413,7 @@ def expected_fsdp(
             rlo = rhi = 0
             for n, shape, size in u["params"]:
                 if n in grads:
-                    e, padded = _padded(shape, shards)
+                    e, padded = _padded(local(n, shape), shards)
                     rlo += e * (reduce_size or size)
                     rhi += padded * (reduce_size or size)
             if shards > 1:
@@ -332,6 +421,44 @@ def expected_fsdp(
             if replicas > 1:
                 add("all_reduce", 1, rlo // shards, -(-rhi // shards), f"{name} x1")
     return out
+
+
+#: tensor-parallel styles by what their forward does with the output (DTensor's ColwiseParallel and
+#: RowwiseParallel with transformers' layouts), and what their backward does with the input's gradient
+_GATHERS_OUTPUT = ("colwise_gather_output", "colwise_rep", "embedding_colwise")
+_SUMS_OUTPUT = ("rowwise", "rowwise_split_input", "rowwise_rep", "embedding_rowwise")
+_SUMS_INPUT_GRAD = ("colwise", "colwise_gather_output", "colwise_rep")
+_GATHERS_INPUT_GRAD = ("rowwise_split_input", "rowwise_rep")
+
+
+def _expect_tensor_parallel(u: dict[str, Any], config: Any, dp: int, a: int, add: Any) -> None:
+    """The tp group's collectives for the split modules whose forward is unit ``u``'s, per step of
+    ``a`` micro-batches, each micro-batch's rows split over ``dp`` data-parallel groups:
+
+    - forward: a gathered output (``colwise_gather_output``) is an all-gather of the output; a
+      summed one (``rowwise``, ``embedding_rowwise``) an all-reduce of it; a split one none;
+    - backward, where the input needs a gradient: a colwise layer's input came whole, so its
+      gradient is summed over the tp ranks (an all-reduce); a ``rowwise_split_input`` layer's was
+      split locally, so its gradient is gathered; a rowwise layer's stays split;
+    - activation checkpointing runs the unit's forward again in backward, collectives included;
+    - bytes: the full-size tensor, in the compute dtype (``mixed_precision.param_dtype``)."""
+    mp = config.mixed_precision
+    compute = itemsize(mp.param_dtype) if mp is not None else None
+    recomputed = config.activation_checkpointing and u["path"] != "" and u["in_backward"]
+    forwards = a * (2 if recomputed else 1)
+    for m in u.get("tp_modules", []):
+        style, name = m["style"], m["name"]
+        out_b = m["out_elems"] // dp * (compute or m["out_size"])
+        in_b = m["in_elems"] // dp * (compute or m["in_size"])
+        if style in _GATHERS_OUTPUT:
+            add("all_gather", forwards, out_b, out_b, f"{name} output x{forwards}")
+        elif style in _SUMS_OUTPUT:
+            add("all_reduce", forwards, out_b, out_b, f"{name} output x{forwards}")
+        if m["in_grad"] and u["in_backward"]:
+            if style in _SUMS_INPUT_GRAD:
+                add("all_reduce", a, in_b, in_b, f"{name} input gradient x{a}")
+            elif style in _GATHERS_INPUT_GRAD:
+                add("all_gather", a, in_b, in_b, f"{name} input gradient x{a}")
 
 
 def predictions() -> dict[str, Any]:

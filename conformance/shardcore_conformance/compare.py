@@ -200,6 +200,7 @@ def compare(
         _compare_communication(v, ref, got, cfg, grad_accum)
         _compare_compilation(v, got, cfg)
         _compare_placement(v, got, cfg)
+        _compare_tp_split(v, ref, got, cfg)
         _compare_effects(v, ref, got, cfg)
         _observe_other_checks(v, got, cfg)
     return v
@@ -261,7 +262,15 @@ def _compare_effects(v: Verdict, ref: dict[str, Any], got: dict[str, Any], cfg: 
 WRAP_KEYS = ("auto_wrap_policy", "min_num_params", "transformer_layer_cls_to_wrap")
 #: per communication pattern, the keys whose effect the check against its prediction sees
 COMMUNICATION_KEYS = {
-    "fsdp": ("reshard_after_forward", *WRAP_KEYS, "mixed_precision", "dp_replicate_size", "dp_shard_size"),
+    "fsdp": (
+        "reshard_after_forward",
+        *WRAP_KEYS,
+        "mixed_precision",
+        "dp_replicate_size",
+        "dp_shard_size",
+        "tp_size",
+        "tp_plan",
+    ),
     "xla_fsdp": ("reshard_after_forward", *WRAP_KEYS, "xla_fsdp_settings"),  # gathers in the compute dtype
     "spmd": ("dp_replicate_size", "dp_shard_size"),
 }
@@ -327,6 +336,31 @@ def _compare_placement(v: Verdict, got: dict[str, Any], cfg: Any) -> None:
         spmd = got.get("comm", {}).get("pattern") == "spmd" or cfg.xla_fsdp_v2
         for problem in placement_problems(placement, cfg, spmd):
             _fail(v, problem)
+
+
+def _compare_tp_split(v: Verdict, ref: dict[str, Any], got: dict[str, Any], cfg: Any) -> None:
+    """With ``tp_size`` > 1, every parameter on every rank is split along the dim the plan says on
+    the mesh dim named ``"tp"`` (torchtitan's and accelerate's name), and the others are not split
+    there. The plan's dims come from the reference's plan of the same model and config."""
+    if cfg.tp_size == 1 or "units" not in ref:
+        return
+    want = {n: d for u in ref["units"] for n, d in u.get("tp_split", {}).items()}
+    for rank, p in enumerate((got.get("placement") or {}).get("ranks", [])):
+        have = p.get("tp_split") or {}
+        for name in sorted(set(want) | set(have)):
+            w, h = want.get(name), have.get(name)
+            if w != h:
+
+                def said(d: int | None) -> str:
+                    return "not split" if d is None else f"split along dim {d}"
+
+                _fail(
+                    v,
+                    f"tensor parallelism: rank {rank}'s {name} is {said(h)} over the tp mesh dim; the plan "
+                    f"(tp_size {cfg.tp_size}) has it {said(w)}",
+                )
+                return
+    _observed(v, "placement", ("tp_size", "tp_plan"), cfg)
 
 
 def _compare_compilation(v: Verdict, got: dict[str, Any], cfg: Any) -> None:

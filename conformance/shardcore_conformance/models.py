@@ -161,6 +161,23 @@ _TINY_HF = {
             attn_implementation="eager",
         ),
     ),
+    # a second architecture with its own tensor-parallel plan: tied input and output embeddings, both
+    # split along the vocabulary, and biased q/k/v projections (a colwise bias is split too)
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=56,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            tie_word_embeddings=True,
+            attn_implementation="eager",
+        ),
+    ),
 }
 
 
@@ -248,6 +265,11 @@ MODELS: dict[str, ModelSpec] = {
     "mlp_unused": ModelSpec(UnusedParamMLP, "regression"),
     "llama": ModelSpec(build_llama, "causal_lm", size_wrap_min_params=2000),
     "gpt2": ModelSpec(build_gpt2, "causal_lm", size_wrap_min_params=None, tied=True),
+    # tensor parallelism splits the vocabulary: 96 rows divide among 2 and 4 ranks, 97 do not
+    "llama_tp": ModelSpec(lambda: build_llama(vocab_size=96), "causal_lm", size_wrap_min_params=2000, vocab=96),
+    "qwen2_tp": ModelSpec(
+        lambda: _tiny_model("qwen2", {}), "causal_lm", size_wrap_min_params=None, tied=True, vocab=96
+    ),
     "llama_lora": ModelSpec(lambda: build_lora("llama"), "causal_lm", size_wrap_min_params=2000),
     "gpt2_lora": ModelSpec(lambda: build_lora("gpt2"), "causal_lm", size_wrap_min_params=None, tied=True),
     "llama_lora_mixed": ModelSpec(lambda: build_lora_mixed("llama"), "causal_lm", size_wrap_min_params=2000),

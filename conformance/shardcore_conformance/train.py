@@ -155,7 +155,7 @@ def run_case(case: Case, backend: Any | None, rank: int = 0) -> dict[str, Any]:
         model = _sharded(case, model, backend, rank)
         runtime = shardcore.handle(model).backend
         world_size = runtime.world().size
-        recorder = recorder_for(runtime, world_size)
+        recorder = recorder_for(runtime, world_size, tensor_parallel=cfg.tp_size > 1)
     opt = _optimizer(case, model)
     sched = _schedule(case, opt)
     # compiled units would trace the hooks into their graphs (dynamo), and recompute without Python
@@ -176,7 +176,7 @@ def run_case(case: Case, backend: Any | None, rank: int = 0) -> dict[str, Any]:
         if recorder is not None:
             recorder.begin_step()
         observing = calls.recording() if calls is not None and step == 0 else contextlib.nullcontext()
-        with observing, _whole_recomputation(step == 0):
+        with observing, _whole_recomputation(step == 0 or cfg.tp_size > 1):
             for i, micro in enumerate(micros):
                 # only the step's forward and backward communicate for the sharding; the suite's own
                 # reductions of metrics below are not counted
@@ -267,7 +267,9 @@ def fresh_model(case: Case) -> nn.Module:
 def _whole_recomputation(first_step: bool) -> Any:
     """In the observed first step, a checkpointed unit recomputes its whole forward: non-reentrant
     ``torch.utils.checkpoint`` otherwise stops once it has what backward needs, so how many modules
-    run again would depend on the unit's last ones. The values computed are the same either way."""
+    run again would depend on the unit's last ones. The values computed are the same either way.
+    Tensor-parallel cases recompute whole units in every step: the collectives a recomputation
+    runs are counted, and an early stop would skip a unit's trailing ones."""
     if not first_step:
         return contextlib.nullcontext()
     from torch.utils.checkpoint import set_checkpoint_early_stop
@@ -362,10 +364,24 @@ def _model_placement(model: nn.Module) -> dict[str, Any]:
         return t.to_local() if hasattr(t, "to_local") else t
 
     params = list(model.parameters())
-    return {
+    out: dict[str, Any] = {
         "params": _types(local(p) for p in params),
         "grads": _types(local(p.grad) for p in params if p.grad is not None),
     }
+    split = {n: d for n, p in model.named_parameters() if (d := _tp_split(p)) is not None}
+    if split:  # tensor parallelism: which dim of each weight the tp ranks split
+        out["tp_split"] = split
+    return out
+
+
+def _tp_split(p: torch.Tensor) -> int | None:
+    """The dim of ``p`` that its mesh's ``"tp"`` dim splits (None: none, or no such mesh dim)."""
+    mesh = getattr(p, "device_mesh", None)
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    if "tp" not in names:
+        return None
+    placement = p.placements[names.index("tp")]
+    return placement.dim if placement.is_shard() else None
 
 
 def _device_count(runtime: Any) -> int:

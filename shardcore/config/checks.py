@@ -39,6 +39,12 @@ def check_combinations(cfg: ShardConfig) -> None:
             f"is set but the backend is {cfg.backend_name!r}; XLA keys need xla: true (as in "
             "TrainingArguments). Set xla: true or remove the XLA keys.",
         )
+    if cfg.tp_plan is not None and cfg.tp_size == 1:
+        raise ShardConfigError(
+            "tp_plan",
+            f"is {show_value(cfg.tp_plan)} but tp_size is 1, so nothing is split. Set tp_size (the ranks of one "
+            "tensor-parallel group) or remove tp_plan.",
+        )
     if not cfg.torch_compile:
         defaults = ShardConfig()
         for key in COMPILE_SETTINGS:

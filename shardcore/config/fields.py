@@ -7,13 +7,22 @@ word their errors, and spell dtypes, the way shardcore does.
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import re
 from typing import Any, Mapping
 
 from ..errors import ShardConfigError, UnknownKeyError
-from .schema import AUTO_WRAP_POLICIES, COMPILE_MODES, FIELD_NAMES, STATE_DICT_TYPES, MixedPrecision
+from .schema import (
+    AUTO_WRAP_POLICIES,
+    COMPILE_MODES,
+    FIELD_NAMES,
+    STATE_DICT_TYPES,
+    TP_STYLES,
+    TP_STYLES_UNSUPPORTED,
+    MixedPrecision,
+)
 
 # Names users write for dtypes (accelerate's "bf16", torch's "bfloat16", "torch.bfloat16").
 _DTYPE_NAMES = {
@@ -241,6 +250,56 @@ def _mesh_size(key: str, value: Any) -> int | None:
     return value
 
 
+def _tp_size(key: str, value: Any) -> int:
+    size = _mesh_size(key, value)
+    return 1 if size is None else size
+
+
+def _tp_plan(key: str, value: Any) -> str | dict[str, str] | None:
+    """``"auto"`` (the model's own plan) or module-name pattern -> style, transformers' style names;
+    ``*`` in a pattern stands for one dotted part of the name (a layer number)."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    if isinstance(value, str) and value.strip().startswith("{"):  # a JSON object, as a CLI or env var gives it
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ShardConfigError(key, f"is not valid JSON ({e}). Write a JSON object of pattern -> style.") from None
+    if not isinstance(value, Mapping) or not value:
+        raise ShardConfigError(
+            key,
+            f'must be "auto" (the model\'s own tensor-parallel plan) or a non-empty mapping of module-name pattern -> '
+            f'style, such as {{"layers.*.mlp.up_proj": "colwise"}}; got {show_value(value)}.',
+        )
+    out: dict[str, str] = {}
+    for pattern, style in value.items():
+        if not isinstance(pattern, str) or not pattern.strip():
+            raise ShardConfigError(key, f"has the pattern {show_value(pattern)}; patterns are module names (strings).")
+        check_tp_style(f"{key}[{pattern!r}]", style)
+        out[pattern.strip()] = style
+    return out
+
+
+def check_tp_style(key: str, style: Any) -> None:
+    """A style shardcore applies, or a :class:`ShardConfigError` naming the ones it does."""
+    if isinstance(style, str) and style in TP_STYLES:
+        return
+    if isinstance(style, str) and style in TP_STYLES_UNSUPPORTED:
+        raise ShardConfigError(
+            key,
+            f"is {style!r}, a transformers tensor-parallel style shardcore does not apply. Supported: "
+            f"{', '.join(TP_STYLES)}. Give a tp_plan without it (that module then stays whole on every tp rank).",
+        )
+    close = difflib.get_close_matches(str(style), list(TP_STYLES), n=1)
+    raise ShardConfigError(
+        key,
+        f"is {show_value(style)}, not a tensor-parallel style{f' (did you mean {close[0]!r}?)' if close else ''}. "
+        f"Use one of {', '.join(TP_STYLES)}.",
+    )
+
+
 def _compile_backend(key: str, value: Any) -> str | None:
     """A ``torch.compile`` backend by the name torch registers it under (``inductor``,
     ``aot_eager``, ``openxla``, or one a user registered); accelerate writes them upper-case."""
@@ -296,6 +355,8 @@ VALIDATORS = {
     "timeout": _timeout,
     "dp_replicate_size": _mesh_size,
     "dp_shard_size": _mesh_size,
+    "tp_size": _tp_size,
+    "tp_plan": _tp_plan,
     "torch_compile": as_bool,
     "torch_compile_backend": _compile_backend,
     "torch_compile_mode": _compile_mode,

@@ -10,6 +10,40 @@ from typing import Any, Mapping
 
 AUTO_WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
 STATE_DICT_TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT")
+#: tensor-parallel styles shardcore applies, by transformers' names (``base_model_tp_plan`` values):
+#: style -> what it splits. ``colwise_rep`` is the name transformers 4.x gave ``colwise_gather_output``.
+TP_STYLES = {
+    "colwise": "a Linear's output features; the output stays split",
+    "colwise_gather_output": "a Linear's output features; the output is gathered",
+    "colwise_rep": "a Linear's output features; the output is gathered",
+    "rowwise": "a Linear's input features; the input arrives split, the output is summed",
+    "rowwise_split_input": "a Linear's input features; the input arrives whole, the output is summed",
+    "rowwise_rep": "a Linear's input features; the input arrives whole, the output is summed",
+    "embedding_rowwise": "an Embedding's rows (the vocabulary); the output is summed",
+    "embedding_colwise": "an Embedding's columns; the output is gathered",
+}
+#: transformers styles shardcore knows and does not apply (yet): a plan naming one is refused, not
+#: half applied
+TP_STYLES_UNSUPPORTED = (
+    "packed_colwise",
+    "packed_rowwise",
+    "sequence_parallel",
+    "replicated_with_grad_allreduce",
+    "mla_kv_a_proj",
+    "all_reduce",
+    "moe_tp_experts",
+    "moe_identity_expert",
+    "local_params",
+    "replicate",
+    "grouped_gemm",
+    "ep_dispatch_experts",
+    "local_colwise",
+    "local_rowwise",
+    "local_packed_rowwise",
+    "local",
+    "gather",
+    "isolated",
+)
 #: ``torch.compile``'s modes (``TrainingArguments.torch_compile_mode``, accelerate's ``dynamo_mode``)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 #: the settings that only mean something with ``torch_compile`` on
@@ -80,6 +114,11 @@ class ShardConfig:
     # sharding over every rank); dp_replicate_size x dp_shard_size must equal the world size
     dp_replicate_size: int | None = None
     dp_shard_size: int | None = None
+    # tensor parallelism (accelerate's ParallelismConfig.tp_size): the innermost mesh dim;
+    # dp_replicate_size x dp_shard_size x tp_size is the world size. tp_plan None is "auto" (the
+    # model's own plan) when tp_size > 1; otherwise a mapping of module-name pattern -> style
+    tp_size: int = 1
+    tp_plan: Any = None
     # TrainingArguments' torch_compile keys and accelerate's dynamo_config: each sharding unit is
     # compiled in place (regional), or with torch_compile_regional false the whole model
     torch_compile: bool = False

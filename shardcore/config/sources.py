@@ -69,43 +69,52 @@ def load_source(source: Any) -> dict[str, Any]:
     )
 
 
-#: accelerate ParallelismConfig sizes shardcore does not do (it shards data-parallel only)
-_OTHER_PARALLELISM = ("tp_size", "cp_size", "sp_size")
+#: accelerate ParallelismConfig sizes shardcore reads
+_SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size")
+#: and those it does not do: context and sequence parallelism
+_OTHER_PARALLELISM = ("cp_size", "sp_size")
 #: settings of those that accelerate writes even when they are off
 _INERT_PARALLELISM = ("cp_backend", "sp_backend", "tp_handler", "cp_handler", "device_mesh")
 
 
 def parallelism_keys(pc: Any, where: str) -> dict[str, Any]:
-    """``dp_replicate_size`` / ``dp_shard_size`` from accelerate's parallelism config: the YAML
-    section (``parallelism_config_``-prefixed keys), a dict, or a ``ParallelismConfig`` object
-    (``TrainingArguments.parallelism_config``). Tensor, context or sequence parallelism is refused:
+    """``dp_replicate_size`` / ``dp_shard_size`` / ``tp_size`` from accelerate's parallelism config:
+    the YAML section (``parallelism_config_``-prefixed keys), a dict, or a ``ParallelismConfig``
+    object (``TrainingArguments.parallelism_config``). Context or sequence parallelism is refused:
     a size > 1 would be silently ignored otherwise."""
     if pc is None:
         return {}
     if isinstance(pc, Mapping):
         items = {str(k).removeprefix("parallelism_config_"): v for k, v in pc.items()}
     elif hasattr(pc, "dp_replicate_size"):
-        items = {k: getattr(pc, k, None) for k in ("dp_replicate_size", "dp_shard_size", *_OTHER_PARALLELISM)}
+        items = {k: getattr(pc, k, None) for k in (*_SIZES, *_OTHER_PARALLELISM)}
+        if getattr(getattr(pc, "tp_handler", None), "enable_async_tp", False):
+            raise ShardConfigError(
+                "parallelism_config.tp_handler.enable_async_tp",
+                f"is True in {where}, but shardcore's tensor parallelism runs its collectives synchronously (no "
+                "async TP, which needs symmetric memory on CUDA). Set enable_async_tp=False.",
+            )
     else:
         raise ShardConfigError(
             "parallelism_config", f"must be a mapping or an accelerate ParallelismConfig, got {show_value(pc)}."
         )
     out = {}
     for key, value in items.items():
-        if key in ("dp_replicate_size", "dp_shard_size"):
+        if key in _SIZES:
             if value is not None:
                 out[key] = value
         elif key in _OTHER_PARALLELISM:
             if value is not None and value not in (1, "1"):
                 raise ShardConfigError(
                     f"parallelism_config.{key}",
-                    f"is {show_value(value)} in {where}, but shardcore shards data-parallel only (FSDP, and HSDP with "
-                    "dp_replicate_size). Set it to 1 or remove it.",
+                    f"is {show_value(value)} in {where}, but shardcore does not do context or sequence parallelism "
+                    "(it does FSDP, HSDP with dp_replicate_size, and tensor parallelism with tp_size). Set it to 1 or "
+                    "remove it.",
                 )
         elif key not in _INERT_PARALLELISM:
             raise UnknownKeyError(
                 f"parallelism_config.{key}",
-                [f"parallelism_config.{k}" for k in ("dp_replicate_size", "dp_shard_size", *_OTHER_PARALLELISM)],
+                [f"parallelism_config.{k}" for k in (*_SIZES, *_OTHER_PARALLELISM)],
                 where=where,
             )
     return out

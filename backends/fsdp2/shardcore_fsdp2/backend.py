@@ -30,13 +30,13 @@ from shardcore.capabilities import (
 )
 from shardcore.compiling import compile_in_place, compile_targets
 from shardcore.config import ShardConfig
-from shardcore.distributed import TorchDistributedRuntime, ensure_process_group
+from shardcore.distributed import TorchDistributedRuntime, ensure_process_group, slice_rows
 from shardcore.empty import await_weights, materialize_empty, weights_state
 from shardcore.plan import WrapPlan
 from shardcore.ties import ties_kept
 from shardcore.validate import check_rank0_weights, check_uniform_unit_dtypes, data_parallel_shape
 
-from . import loading, snapshot
+from . import loading, snapshot, tensor_parallel
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,8 @@ class FSDP2Backend(
             "cpu_ram_efficient_loading",
             "dp_replicate_size",
             "dp_shard_size",
+            "tp_size",
+            "tp_plan",
             "torch_compile",
             "torch_compile_backend",
             "torch_compile_mode",
@@ -86,7 +88,8 @@ class FSDP2Backend(
     def __init__(self) -> None:
         self._mesh = None
         self._mesh_group = None
-        self._mesh_shape: tuple[int, int] | None = None
+        self._mesh_shape: tuple[int, int, int] | None = None
+        self._tp_mesh = None  # the innermost dim of the same root mesh, where tp_size > 1
         self._checkpoint_group = None  # async saves' own gloo group, made at the first one
         self._staging = snapshot.Staging()  # their CPU copies, reused from one save to the next
 
@@ -121,6 +124,10 @@ class FSDP2Backend(
             if config.cpu_ram_efficient_loading and not empty and dist.get_world_size() > 1
             else None
         )
+        if plan.tp is not None:
+            # torchtitan's order: split first, then shard the split tensors on the data-parallel dims
+            # (fully_shard sees DTensors on the tp dim and makes them 2-D)
+            tensor_parallel.apply(model, plan.tp, self._tp_mesh)
         compiled = compile_targets(model, plan, config)
         for unit in plan.modules(model):
             if config.activation_checkpointing:
@@ -237,14 +244,14 @@ class FSDP2Backend(
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
         """torchtitan's recipe: the gradients are DTensors, so ``get_total_norm`` reduces each
         rank's shard norms to the global one (``full_tensor()``), then every rank scales its shards
-        by the same factor."""
-        from torch.distributed.tensor import DTensor
-
-        params = [p for p in model.parameters() if p.grad is not None]
-        total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type, error_if_nonfinite=False)
-        if isinstance(total, DTensor):
-            total = total.full_tensor()
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        by the same factor. With tensor parallelism the gradients live on two meshes (split
+        weights on (dp, tp), the others on dp): one norm per mesh, then combined, as the
+        Trainer's ``_mixed_mesh_grad_norm`` does."""
+        groups = tensor_parallel.by_mesh([p for p in model.parameters() if p.grad is not None])
+        norms = [tensor_parallel.global_norm([p.grad for p in ps], norm_type) for ps in groups]
+        total = tensor_parallel.combine_norms(norms, norm_type)
+        for ps in groups:
+            torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total)
         return total
 
     @contextlib.contextmanager
@@ -272,11 +279,13 @@ class FSDP2Backend(
     def mesh(self, config: ShardConfig):
         """The device mesh ``fully_shard`` gets: 1-D ``("fsdp",)`` over every rank, or under HSDP
         (``dp_replicate_size`` > 1) 2-D ``("dp_replicate", "dp_shard")``: parameters sharded within
-        each replica group of ``dp_shard_size`` ranks, gradients all-reduced across the replicas."""
+        each replica group of ``dp_shard_size`` ranks, gradients all-reduced across the replicas.
+        With ``tp_size`` > 1 both are slices of one root mesh ``("dp_replicate", "dp_shard", "tp")``
+        whose innermost dim (neighbouring ranks) is tensor parallelism's (``self._tp_mesh``)."""
         from torch.distributed.device_mesh import init_device_mesh
 
         ensure_process_group(config.timeout, devices.requested(config.use_cpu), "timeout" in config.non_default_keys())
-        shape = data_parallel_shape(config, dist.get_world_size())
+        shape = (*data_parallel_shape(config, dist.get_world_size()), config.tp_size)
         device_type = devices.chosen()
         # a script may destroy the process group and start another (another size), or shard one model
         # on the accelerator and the next with use_cpu (gloo serves CPU tensors in the same group): the
@@ -293,15 +302,34 @@ class FSDP2Backend(
             # the mesh is the ranks' layout, never data: built with real tensors also when the model
             # is sharded under FakeTensorMode (shardcore plan), where its rank list cannot be read
             with unset_fake_temporarily():
-                if shape[0] == 1:
-                    self._mesh = init_device_mesh(device_type, (shape[1],), mesh_dim_names=("fsdp",))
+                replicas, shards, tp = shape
+                self._tp_mesh = None
+                if tp > 1:
+                    root = init_device_mesh(device_type, shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+                    self._tp_mesh = root["tp"]
+                    self._mesh = root["dp_shard"] if replicas == 1 else root["dp_replicate", "dp_shard"]
+                elif replicas == 1:
+                    self._mesh = init_device_mesh(device_type, (shards,), mesh_dim_names=("fsdp",))
                 else:
-                    self._mesh = init_device_mesh(device_type, shape, mesh_dim_names=("dp_replicate", "dp_shard"))
+                    self._mesh = init_device_mesh(device_type, shape[:2], mesh_dim_names=("dp_replicate", "dp_shard"))
         return self._mesh
+
+    def local_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This data-parallel group's contiguous slice of a global batch: with tensor parallelism
+        every rank of one tp group (neighbouring ranks, the mesh's innermost dim) gets the same rows."""
+        if self._tp_mesh is None:
+            return super().local_batch(batch)
+        w = self.world()
+        tp = self._tp_mesh.size()
+        return slice_rows(batch, w.rank // tp, w.size // tp, w.device, "data-parallel groups")
 
     def grad_sq_sum(self, model: nn.Module) -> torch.Tensor:
         """Sum of squared gradient entries of the whole model: each rank's shards, summed within its
-        replica group only (under HSDP every replica holds the same shards)."""
+        replica group only (under HSDP every replica holds the same shards). With tensor
+        parallelism, through DTensor, which knows which ranks hold copies of a shard."""
+        if self._tp_mesh is not None:
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            return tensor_parallel.global_sq_sum(grads, self._device())
         local = torch.zeros((), device=self._device())
         for p in model.parameters():
             if p.grad is not None:

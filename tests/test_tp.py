@@ -1,0 +1,252 @@
+"""Tensor parallelism's config and plan, in one process: every source of ``tp_size`` and
+``tp_plan``, the plan resolved against real Hugging Face models, and every refusal before anything
+is sharded. The multi-rank runs are the conformance suite's ``tp`` family
+(tests/test_conformance_cli.py)."""
+
+import json
+import re
+
+import pytest
+import torch
+
+import shardcore
+from shardcore import ShardConfigError, parse_config
+from shardcore.plan import build_plan
+from shardcore.tp import pattern_regex
+from shardcore.validate import data_parallel_shape
+from shardcore_conformance.models import _tiny_model, build_llama
+
+LLAMA_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def llama(**kw):
+    return build_llama(**{"vocab_size": 96, **kw})
+
+
+def test_tp_keys_from_every_source(tmp_path):
+    from accelerate.parallelism_config import ParallelismConfig
+    from transformers import TrainingArguments
+
+    assert parse_config({}).tp_size == 1 and parse_config({}).tp_plan is None
+    plan = {"model.layers.*.mlp.up_proj": "colwise", "model.layers.*.mlp.down_proj": "rowwise"}
+    assert parse_config({"tp_size": "2", "tp_plan": "AUTO"}).tp_plan == "auto"
+    assert parse_config({"fsdp_tp_size": 2, "tp_plan": json.dumps(plan)}).tp_plan == plan
+    js = tmp_path / "fsdp.json"
+    js.write_text(json.dumps({"version": 2, "tp_size": 2, "tp_plan": plan}))
+    assert (parse_config(js).tp_size, parse_config(js).tp_plan) == (2, plan)
+    yaml_file = tmp_path / "a.yaml"
+    yaml_file.write_text(
+        "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\nparallelism_config:\n"
+        "  parallelism_config_dp_shard_size: 2\n  parallelism_config_tp_size: 2\n  parallelism_config_cp_size: 1\n"
+    )
+    cfg = parse_config(yaml_file)
+    assert (cfg.dp_shard_size, cfg.tp_size) == (2, 2)
+    assert parse_config({"parallelism_config": {"tp_size": 4}}).tp_size == 4
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "o"),
+        fsdp=True,
+        fsdp_config={"version": 2},
+        parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2),
+    )
+    assert (parse_config(args).dp_shard_size, parse_config(args).tp_size) == (2, 2)
+    # the object itself, as accelerate's Accelerator takes it
+    assert parse_config({"parallelism_config": ParallelismConfig(tp_size=2)}).tp_size == 2
+    assert parse_config(parse_config({"tp_size": 2, "tp_plan": plan}).to_dict()).tp_plan == plan
+
+
+@pytest.mark.parametrize(
+    "raw, key, fragment",
+    [
+        ({"tp_size": 0}, "tp_size", "positive integer"),
+        ({"tp_size": 1.5}, "tp_size", "positive integer"),
+        ({"tp_size": 2, "tp_plan": ["colwise"]}, "tp_plan", "mapping of module-name pattern -> style"),
+        ({"tp_size": 2, "tp_plan": "{not json"}, "tp_plan", "not valid JSON"),
+        ({"tp_size": 2, "tp_plan": {"lm_head": "colwize"}}, "tp_plan['lm_head']", "did you mean 'colwise'?"),
+        ({"tp_size": 2, "tp_plan": {"lm_head": "packed_colwise"}}, "tp_plan['lm_head']", "shardcore does not apply"),
+        ({"tp_plan": "auto"}, "tp_plan", "tp_size is 1"),
+        ({"parallelism_config": {"cp_size": 2}}, "parallelism_config.cp_size", "context or sequence parallelism"),
+    ],
+)
+def test_bad_tp_config_names_the_key(raw, key, fragment):
+    with pytest.raises(ShardConfigError, match=fragment) as e:
+        parse_config(raw)
+    assert e.value.key == key
+
+
+def test_async_tp_is_refused_not_ignored():
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import TorchTensorParallelConfig
+
+    pc = ParallelismConfig(tp_size=2, tp_handler=TorchTensorParallelConfig(enable_async_tp=True))
+    with pytest.raises(ShardConfigError, match="Set enable_async_tp=False") as e:
+        parse_config({"parallelism_config": pc})
+    assert e.value.key == "parallelism_config.tp_handler.enable_async_tp"
+
+
+@pytest.mark.parametrize(
+    "sizes, world, shape",
+    [((None, None), 4, (1, 2)), ((2, None), 4, (2, 1)), ((None, 2), 8, (2, 2)), ((1, 1), 2, (1, 1))],
+)
+def test_tp_is_the_innermost_dim_of_the_world(sizes, world, shape):
+    r, s = sizes
+    cfg = parse_config({"dp_replicate_size": r, "dp_shard_size": s, "tp_size": 2})
+    assert data_parallel_shape(cfg, world) == shape
+
+
+@pytest.mark.parametrize(
+    "raw, world, key, fragment",
+    [
+        ({"tp_size": 4}, 6, "tp_size", "world size 6 is not a multiple of it"),
+        ({"tp_size": 2, "dp_shard_size": 3}, 4, "dp_shard_size", "data-parallel size 2 (world size 4 / tp_size 2)"),
+        ({"tp_size": 2, "dp_shard_size": 2, "dp_replicate_size": 2}, 4, "dp_replicate_size", "make 8 ranks"),
+    ],
+)
+def test_a_world_the_mesh_does_not_cover_is_refused(raw, world, key, fragment):
+    with pytest.raises(ShardConfigError, match=re.escape(fragment)) as e:
+        data_parallel_shape(parse_config(raw), world)
+    assert e.value.key == key
+
+
+def test_auto_is_the_models_own_plan_under_full_names():
+    plan = build_plan(llama(), parse_config({"tp_size": 2})).tp
+    styles = plan.as_dict()
+    assert plan.size == 2 and plan.source == "the model's tp_plan"
+    # base_model_tp_plan under "model.", the head's own entry, the embedding transformers adds
+    assert (
+        styles["model.layers.1.self_attn.k_proj"] == "colwise" and styles["model.layers.0.mlp.down_proj"] == "rowwise"
+    )
+    assert styles["lm_head"] == "colwise_gather_output" and styles["model.embed_tokens"] == "embedding_rowwise"
+    assert len(styles) == 2 + 2 * 7
+    dims = plan.split_dims()
+    assert dims["model.layers.0.self_attn.o_proj.weight"] == 1 and dims["model.layers.0.self_attn.q_proj.weight"] == 0
+    assert "model.layers.0.self_attn.o_proj.bias" not in dims and dims["model.embed_tokens.weight"] == 0
+    assert "tensor parallel: tp_size 2" in build_plan(llama(), parse_config({"tp_size": 2})).describe()
+
+
+def test_a_tied_embedding_split_one_way_is_accepted_and_two_ways_refused():
+    qwen = _tiny_model("qwen2", {})
+    assert qwen.lm_head.weight is qwen.model.embed_tokens.weight
+    plan = build_plan(qwen, parse_config({"tp_size": 2})).tp
+    assert plan.split_dims()["model.layers.0.self_attn.q_proj.bias"] == 0  # a colwise bias is split too
+    bad = {"model.embed_tokens": "embedding_colwise", "lm_head": "colwise"}
+    with pytest.raises(ShardConfigError, match="splits the tied weight model.embed_tokens.weight two ways") as e:
+        build_plan(_tiny_model("qwen2", {}), parse_config({"tp_size": 2, "tp_plan": bad}))
+    assert e.value.key == "tp_plan"
+
+
+def test_a_star_stands_for_one_part_of_the_name():
+    rx = pattern_regex("model.layers.*.mlp.up_proj")
+    assert rx.match("model.layers.11.mlp.up_proj")
+    assert not rx.match("model.layers.1.2.mlp.up_proj") and not rx.match("model.layers.1.mlp.up_proj.lora_A")
+    assert not pattern_regex("layers.*.mlp.up_proj").match("model.layers.1.mlp.up_proj")
+
+
+@pytest.mark.parametrize(
+    "build, raw, key, fragment",
+    [
+        # the conformance Llama's vocabulary is 97 rows, which 2 ranks cannot split evenly
+        (
+            lambda: build_llama(),
+            {"tp_size": 2},
+            "tp_size",
+            "does not divide the 97 rows (vocabulary) of model.embed_tokens",
+        ),
+        (llama, {"tp_size": 4}, "tp_size", "does not divide the model's num_key_value_heads (2)"),
+        (
+            lambda: llama(num_attention_heads=2, num_key_value_heads=1),
+            {"tp_size": 2},
+            "tp_size",
+            "num_key_value_heads (1)",
+        ),
+        (
+            lambda: llama(intermediate_size=55),
+            {"tp_size": 2},
+            "tp_size",
+            "55 output features of model.layers.0.mlp.gate_proj",
+        ),
+        (llama, {"tp_size": 2, "tp_plan": {"layers.*.mlp.up_proj": "colwise"}}, "tp_plan", "matches no module"),
+        (llama, {"tp_size": 2, "tp_plan": {"model.layers.*.mlp": "colwise"}}, "tp_plan", "splits Linear layers only"),
+        (llama, {"tp_size": 2, "tp_plan": {"model.embed_tokens": "colwise"}}, "tp_plan", "splits Linear layers only"),
+        (llama, {"tp_size": 2, "tp_plan": {"lm_head": "embedding_rowwise"}}, "tp_plan", "splits Embedding layers only"),
+        (
+            llama,
+            {
+                "tp_size": 2,
+                "tp_plan": {"model.layers.*.mlp.up_proj": "colwise", "model.layers.0.mlp.up_proj": "rowwise"},
+            },
+            "tp_plan",
+            "two styles",
+        ),
+        (
+            lambda: torch.nn.Sequential(torch.nn.Linear(4, 4)),
+            {"tp_size": 2, "auto_wrap_policy": "NO_WRAP"},
+            "tp_plan",
+            "carries no tensor-parallel plan",
+        ),
+    ],
+)
+def test_a_plan_the_model_cannot_take_is_refused_before_sharding(build, raw, key, fragment):
+    with pytest.raises(ShardConfigError, match=re.escape(fragment)) as e:
+        build_plan(build(), parse_config(raw))
+    assert e.value.key == key
+
+
+def test_a_model_plan_naming_a_style_shardcore_does_not_apply_is_refused():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=56,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+        )
+    )
+    with pytest.raises(
+        ShardConfigError, match="'replicated_with_grad_allreduce', a transformers tensor-parallel style"
+    ) as e:
+        build_plan(model, parse_config({"tp_size": 2}))
+    assert "Qwen3ForCausalLM's 'model.layers.*.self_attn.q_norm'" in e.value.key
+
+
+def test_lora_with_tp_is_refused_by_name():
+    from shardcore_conformance.models import build_lora
+
+    with pytest.raises(ShardConfigError, match="does not split LoRA adapters across tensor-parallel ranks yet") as e:
+        build_plan(build_lora("llama"), parse_config({"tp_size": 2}))
+    assert e.value.key == "tp_size"
+
+
+def test_backends_without_tp_refuse_it_by_name():
+    from shardcore.backend import resolve_backend
+
+    for cfg in ({"xla": True, "tp_size": 2}, {"xla": True, "xla_fsdp_v2": True, "tp_size": 2}):
+        with pytest.raises(shardcore.UnsupportedKeyError, match="Use the fsdp2 backend for tensor parallelism") as e:
+            resolve_backend(parse_config(cfg), None)
+        assert e.value.key == "tp_size"
+    assert {"tp_size", "tp_plan"} <= shardcore.get_backend("fsdp2").supported_keys
+
+
+def test_the_matrix_has_a_tp_family_at_two_and_four_ranks():
+    from shardcore_conformance.cases import matrix_for
+
+    two = {c.name: c for c in matrix_for("fsdp2", 2) if c.family == "tp"}
+    four = {c.name: c for c in matrix_for("fsdp2", 4) if c.family == "tp"}
+    assert {"tp2-llama", "tp2-qwen2", "tp2-llama-plan", "tp2-llama-ac1", "tp2-grad_accum-llama"} <= set(two)
+    assert {
+        "tp2-clip-llama",
+        "tp2-llama-resume",
+        "tp2-llama-sharded_state_dict",
+        "tp2-qwen2-sharded_state_dict",
+    } <= set(two)
+    assert {"dp2-tp2-llama", "dp2-tp2-llama-sharded_state_dict", "hsdp2x1-tp2-llama"} <= set(four)
+    assert all(c.config["tp_size"] == 2 for c in [*two.values(), *four.values()])
+    assert four["hsdp2x1-tp2-llama"].config["dp_replicate_size"] == 2
+    # every case builds: its model takes the plan
+    for c in two.values():
+        from shardcore_conformance.models import build_model
+
+        assert build_plan(build_model(c.model, 0), parse_config(c.config)).tp is not None, c.name

@@ -14,7 +14,8 @@ load, not at first use). It refuses, naming the members:
   capability's own class is a stub, so it counts as missing);
 * a capability whose methods the backend defines without declaring it: ``isinstance`` checks on
   these runtime-checkable protocols are structural, so an undeclared one would still be used;
-* ``state_dict_type`` among its ``supported_keys`` without :class:`ShardedCheckpoints`;
+* ``state_dict_type`` among its ``supported_keys`` without :class:`ShardedCheckpoints`, and
+  ``tp_size`` or ``tp_plan`` without :class:`TensorParallel`;
 * a :class:`ConfigResolved` backend declaring more than :data:`BEFORE_RESOLVE`.
 
 After the check, ``isinstance(backend, Capability)`` is true exactly for the declared capabilities,
@@ -176,6 +177,18 @@ class GlobalGradSquares(Protocol):
 
 
 @runtime_checkable
+class TensorParallel(Protocol):
+    """``tp_size`` > 1: the weights of the plan's ``tp`` part (``WrapPlan.tp``) are split over the
+    innermost dim, named ``"tp"``, of one device mesh, and the other dims shard as without it."""
+
+    def root_mesh(self, config: Any) -> Any:
+        """The whole device mesh, dims ``("dp_replicate", "dp_shard", "tp")``, the one ``apply``
+        uses (built at the first call: collective); None where ``config.tp_size`` is 1. The Trainer
+        gives it to accelerate, whose data loader then deals every rank of one tp group the same rows."""
+        ...
+
+
+@runtime_checkable
 class SlicedLoading(Protocol):
     """Every rank reads only its own slices of a FULL checkpoint.
 
@@ -271,6 +284,7 @@ CAPABILITIES: tuple[type, ...] = (
     ModelValidation,
     GlobalGradSquares,
     SlicedLoading,
+    TensorParallel,
     CompileCounter,
     RenamesParameters,
     ConfigResolved,
@@ -319,6 +333,9 @@ def check_backend(backend: Any, name: str) -> None:
         problems.append(
             "its supported_keys include state_dict_type (SHARDED_STATE_DICT) but it does not declare ShardedCheckpoints"
         )
+    tp = {"tp_size", "tp_plan"} & set(getattr(backend, "supported_keys", ()))
+    if tp and TensorParallel not in mro and not resolver:
+        problems.append(f"its supported_keys include {', '.join(sorted(tp))} but it does not declare TensorParallel")
     if problems:
         raise BackendUnavailableError(
             f"shardcore backend {name!r} ({type(backend).__module__}.{type(backend).__qualname__}) breaks the backend "

@@ -73,6 +73,7 @@ def test_declared_capabilities_of_the_shipped_backends():
         "ModelValidation",
         "GlobalGradSquares",
         "SlicedLoading",
+        "TensorParallel",
     }
     assert names("backends_for_tests:PlainBackend") == set()
     if _with_xla():
@@ -126,6 +127,11 @@ class _ShardedKeyWithoutCapability(PlainBackend):
     supported_keys = frozenset({"state_dict_type"})
 
 
+class _TpKeyWithoutCapability(PlainBackend):
+    name = "tp-key"
+    supported_keys = frozenset({"tp_size"})
+
+
 @pytest.mark.parametrize(
     "cls,words",
     [
@@ -133,6 +139,7 @@ class _ShardedKeyWithoutCapability(PlainBackend):
         (_DefinesWithoutDeclaring, ["defines clip_grad_norm_ of GradClipping without declaring it"]),
         (_Incomplete, ["lacks the required Backend member(s) apply, world, barrier", "load_full_optimizer_state_dict"]),
         (_ShardedKeyWithoutCapability, ["state_dict_type", "does not declare ShardedCheckpoints"]),
+        (_TpKeyWithoutCapability, ["supported_keys include tp_size but it does not declare TensorParallel"]),
     ],
 )
 def test_a_backend_that_breaks_the_contract_is_refused_when_loaded(cls, words):

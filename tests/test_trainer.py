@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -358,6 +359,43 @@ def test_fsdp2_trainer_matches_the_plain_trainer_and_resumes(tmp_path, plain_tra
         assert run["units"] == 3  # 2 decoder layers and the root
         assert run["reduce_scatters_per_step"] == [run["units"]] * 4, run
         assert resumed["reduce_scatters_per_step"] == [run["units"]] * 2, resumed
+
+
+@pytest.mark.multiprocess
+def test_trainer_with_tensor_parallelism_matches_the_plain_trainer_and_resumes(tmp_path):
+    """``TrainingArguments(parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2))`` on 4
+    ranks: each step's logged loss and gradient norm (before clipping, so a gradient scaled by the
+    tp size would show), the final parameters, the evaluation loss and the predicted logits are the
+    plain Trainer's on one process; resumed from the middle SHARDED checkpoint it ends where the
+    uninterrupted run did; its FULL export loads with from_pretrained."""
+    ref = tmp_path / "ref.safetensors"
+    out = harness.python(harness.worker("trainer_fsdp2"), "reference", str(ref), "llama_tp", timeout=300)
+    assert out.returncode == 0, harness.tail(out.stdout, out.stderr)
+    reference, ref_eval = load_file(ref), load_file(str(ref) + ".eval.safetensors")
+    ref_log = json.loads(Path(str(ref) + ".log.json").read_text())
+    report_path = tmp_path / "report.json"
+    out = harness.ranks(4, harness.worker("trainer_fsdp2"), "tp", str(report_path), timeout=420)
+    assert out.returncode == 0, harness.tail(out.stdout, out.stderr)
+    report = json.loads(report_path.read_text())
+    straight = load_file(report["straight"]["params"])
+    for name in ("straight", "resumed"):
+        run = report[name]
+        assert run["tp_size"] == 2
+        for key in ("losses", "grad_norms"):
+            for a, b in zip(run[key], ref_log[key], strict=True):
+                assert abs(a - b) <= LOSS_ATOL + LOSS_RTOL * abs(b), (name, key, run[key], ref_log[key])
+        params = load_file(run["params"])
+        diff = _max_diff(params, reference)
+        got = load_file(run["eval"])
+        eval_diff = abs(float(got["eval_loss"]) - float(ref_eval["eval_loss"]))
+        assert got["logits"].shape == ref_eval["logits"].shape, (got["logits"].shape, ref_eval["logits"].shape)
+        logits_diff = float((got["logits"] - ref_eval["logits"]).abs().max())
+        print(
+            f"tp {name}: max |param diff| {diff:.3e}; |eval_loss diff| {eval_diff:.3e}; max |logits diff| {logits_diff:.3e}"
+        )
+        assert diff <= PARAM_ATOL and logits_diff <= OUTPUT_ATOL, (name, diff, logits_diff)
+        assert eval_diff <= LOSS_ATOL + LOSS_RTOL * abs(float(ref_eval["eval_loss"])), (name, eval_diff)
+    assert _max_diff(load_file(report["resumed"]["params"]), straight) == 0.0
 
 
 @pytest.mark.multiprocess

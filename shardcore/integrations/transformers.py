@@ -306,6 +306,8 @@ class ShardcoreTrainerMixin:
         # accelerate's no_sync looks for model.no_sync, which a sharded model does not have (FSDP2):
         # every micro-batch would reduce. This instance's accelerator only.
         self.accelerator.no_sync = _shardcore_no_sync
+        if self._shardcore_config.tp_size > 1:
+            self._shardcore_tensor_parallel()
         if self._shardcore_on_xla:
             # accelerate gathers with torch_xla's all_gather, a collective inside the lazy graph that
             # the next unserialized sync runs: on CPU device threads each thread would compile its own
@@ -313,10 +315,61 @@ class ShardcoreTrainerMixin:
             self.accelerator.gather = self._shardcore_gather
             self.accelerator.pad_across_processes = self._shardcore_pad_across_processes
 
+    def _shardcore_tensor_parallel(self) -> None:
+        """The data loaders deal one batch to every rank of a tp group: accelerate does so for a
+        device mesh with a ``tp`` dim, so it gets the backend's. Evaluation gathers each tp group's
+        outputs once, from its first rank. (The Trainer's own gathers, of token counts, stay
+        whole: it divides them by :meth:`get_tp_size` itself.)"""
+        import functools
+        import inspect
+
+        from ..backend import resolve_backend
+
+        mesh = resolve_backend(self._shardcore_config).root_mesh(self._shardcore_config)
+        accelerator, tp = self.accelerator, mesh["tp"].size()
+        accelerator.state.device_mesh = mesh
+        whole_gather, for_metrics = accelerator.gather, accelerator.gather_for_metrics
+
+        def once_per_tp_group(data: Any) -> Any:
+            from accelerate.utils import recursively_apply
+
+            def first_of_each_group(t: torch.Tensor) -> torch.Tensor:
+                # every rank's rows in rank order; the ranks of one tp group are neighbours
+                rows = t.reshape(-1, tp, t.shape[0] // accelerator.num_processes, *t.shape[1:])
+                return rows[:, 0].flatten(0, 1)
+
+            return recursively_apply(first_of_each_group, whole_gather(data), error_on_other_type=True)
+
+        def gather_for_metrics(input_data: Any, use_gather_object: bool = False) -> Any:
+            # before accelerate drops the last batch's padding, which it counts in data-parallel rows
+            accelerator.gather = once_per_tp_group
+            try:
+                return for_metrics(input_data, use_gather_object=use_gather_object)
+            finally:
+                accelerator.gather = whole_gather
+
+        accelerator.gather_for_metrics = gather_for_metrics
+        # the Trainer took the method when it made the accelerator (and takes it again after each evaluation)
+        self.gather_function = accelerator.gather_for_metrics
+        if "use_gather_object" in inspect.signature(self.gather_function).parameters:
+            self.gather_function = functools.partial(
+                self.gather_function, use_gather_object=self.args.eval_use_gather_object
+            )
+
+    def get_tp_size(self) -> int:
+        # the Trainer asks the model (transformers' own TP) or accelerate's parallelism config, which
+        # shardcore keeps from accelerate: its token counts and batch sizes must know the tp groups
+        if self._shardcore_config is not None:
+            return self._shardcore_config.tp_size
+        return super().get_tp_size()
+
     def _build_accelerator_args(self, **kwargs) -> dict[str, Any]:
         out = super()._build_accelerator_args(**kwargs)
         if self._shardcore_config is not None:
             out["fsdp_plugin"] = None  # shardcore shards; accelerate must not
+            # the shard config holds the parallelism config's sizes, and the backend builds the mesh:
+            # accelerate would build a second one (and refuses one outright on the CPU, MULTI_CPU)
+            out.pop("parallelism_config", None)
             # precision is the shard config's (mixed_precision, from bf16/fp16 too): autocast and a
             # grad scaler on top would apply it twice
             out["mixed_precision"] = "no"

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from shardcore_conformance.models import build_model
+from shardcore_conformance.models import MODELS, build_model
 from shardcore_conformance.train import ADAM_EPS
 
 ROWS, SEQ, STEPS, GLOBAL, ACCUM = 32, 16, 4, 8, 2
@@ -36,9 +36,9 @@ LR, MAX_NORM = 1e-2, 0.5  # the gradient norms here are 0.8 to 0.9: clipping act
 FSDP_CONFIG = {"auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "reshard_after_forward": True}
 
 
-def dataset() -> list[dict[str, torch.Tensor]]:
+def dataset(vocab: int = 97) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(7)
-    ids = torch.randint(0, 97, (ROWS, SEQ), generator=g)  # the llama case's vocabulary
+    ids = torch.randint(0, vocab, (ROWS, SEQ), generator=g)  # the llama case's vocabulary
     return [{"input_ids": r, "labels": r.clone()} for r in ids]
 
 
@@ -71,14 +71,14 @@ def params(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
 
 
-def eval_dataset() -> list[dict[str, torch.Tensor]]:
-    return dataset()[:GLOBAL]
+def eval_dataset(vocab: int = 97) -> list[dict[str, torch.Tensor]]:
+    return dataset(vocab)[:GLOBAL]
 
 
-def evaluated(trainer) -> dict[str, torch.Tensor]:
+def evaluated(trainer, vocab: int = 97) -> dict[str, torch.Tensor]:
     """The trained model's evaluation loss and predicted logits (``evaluate()``, ``predict()``)."""
-    metrics = trainer.evaluate(eval_dataset())
-    logits = torch.as_tensor(trainer.predict(eval_dataset()).predictions)
+    metrics = trainer.evaluate(eval_dataset(vocab))
+    logits = torch.as_tensor(trainer.predict(eval_dataset(vocab)).predictions)
     return {"eval_loss": torch.tensor(metrics["eval_loss"]), "logits": logits}
 
 
@@ -90,10 +90,18 @@ def run_reference(out: str, model: str = "llama") -> None:
     args = training_args(
         out + ".ref", GLOBAL // ACCUM, use_cpu=True, save_strategy="no", per_device_eval_batch_size=GLOBAL
     )
-    trainer = Trainer(model=build_model(model, 0), args=args, train_dataset=dataset())
+    vocab = MODELS[model].vocab
+    trainer = Trainer(model=build_model(model, 0), args=args, train_dataset=dataset(vocab))
     trainer.train()
     save_file(params(trainer.model), out)
-    save_file(evaluated(trainer), out + ".eval.safetensors")
+    save_file(evaluated(trainer, vocab), out + ".eval.safetensors")
+    json.dump(logged(trainer), open(out + ".log.json", "w"))
+
+
+def logged(trainer) -> dict[str, list[float]]:
+    """Each optimizer step's logged loss and gradient norm (before clipping)."""
+    steps = [e for e in trainer.state.log_history if "loss" in e and "train_loss" not in e]
+    return {"losses": [e["loss"] for e in steps], "grad_norms": [e["grad_norm"] for e in steps]}
 
 
 class Counter:
@@ -178,6 +186,52 @@ def run_sharded(out: str) -> None:
         middle = root / kind / f"checkpoint-{STEPS // 2}"
         report[kind + "-resumed"] = sharded_run(root, kind, counter, resume=str(middle))
         report[kind]["checkpoint_files"] = sorted(p.name for p in middle.iterdir())
+    if dist.get_rank() == 0:
+        json.dump(report, open(out, "w"), indent=1)
+    dist.barrier()
+
+
+def run_tp(out: str) -> None:
+    """The shardcore Trainer with ``TrainingArguments(parallelism_config=ParallelismConfig(tp_size=2))``:
+    dp_shard world/2 x tp 2 on the Llama with a vocabulary tp splits (its own plan), SHARDED
+    checkpoints, trained straight and resumed from the middle one. Each run: its final FULL export
+    loaded with from_pretrained, its loss log and its evaluation."""
+    from accelerate.parallelism_config import ParallelismConfig
+    from transformers import AutoModelForCausalLM
+
+    import shardcore
+    from shardcore.integrations.transformers import Trainer
+
+    world = int(os.environ["WORLD_SIZE"])
+    dp, vocab, root = world // 2, MODELS["llama_tp"].vocab, Path(out).parent / "tp"
+    report = {}
+    for name, resume in (("straight", None), ("resumed", str(root / f"checkpoint-{STEPS // 2}"))):
+        args = training_args(
+            str(root),
+            GLOBAL // ACCUM // dp,  # each data-parallel group's rows: both ranks of a tp pair get the same
+            use_cpu=True,
+            fsdp=True,
+            fsdp_config={**FSDP_CONFIG, "state_dict_type": "SHARDED_STATE_DICT"},
+            parallelism_config=ParallelismConfig(dp_shard_size=dp, tp_size=2),
+            save_strategy="steps",
+            save_steps=STEPS // 2,
+            per_device_eval_batch_size=GLOBAL // dp,
+        )
+        trainer = Trainer(model=build_model("llama_tp", 0), args=args, train_dataset=dataset(vocab))
+        trainer.train(resume_from_checkpoint=resume)
+        evaluation = evaluated(trainer, vocab)
+        final = root / f"final-{name}"
+        trainer.save_model(str(final))
+        loaded = AutoModelForCausalLM.from_pretrained(final)
+        if dist.get_rank() == 0:
+            save_file(params(loaded), str(final / "params.safetensors"))
+            save_file(evaluation, str(final / "eval.safetensors"))
+        report[name] = {
+            **logged(trainer),
+            "params": str(final / "params.safetensors"),
+            "eval": str(final / "eval.safetensors"),
+            "tp_size": shardcore.handle(trainer.model).config.tp_size,
+        }
     if dist.get_rank() == 0:
         json.dump(report, open(out, "w"), indent=1)
     dist.barrier()
@@ -272,5 +326,11 @@ def run_sft_reference(out: str) -> None:
 
 
 if __name__ == "__main__":
-    modes = {"reference": run_reference, "sharded": run_sharded, "sft": run_sft, "sft-reference": run_sft_reference}
+    modes = {
+        "reference": run_reference,
+        "sharded": run_sharded,
+        "tp": run_tp,
+        "sft": run_sft,
+        "sft-reference": run_sft_reference,
+    }
     modes[sys.argv[1]](*sys.argv[2:])

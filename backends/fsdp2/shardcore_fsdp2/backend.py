@@ -27,6 +27,7 @@ from shardcore.capabilities import (
     ModelValidation,
     ShardedCheckpoints,
     SlicedLoading,
+    TensorParallel,
 )
 from shardcore.compiling import compile_in_place, compile_targets
 from shardcore.config import ShardConfig
@@ -51,6 +52,7 @@ class FSDP2Backend(
     ModelValidation,
     GlobalGradSquares,
     SlicedLoading,
+    TensorParallel,
 ):
     """world/barrier/all_reduce_sum/broadcast_object/local_batch come from TorchDistributedRuntime."""
 
@@ -89,7 +91,8 @@ class FSDP2Backend(
         self._mesh = None
         self._mesh_group = None
         self._mesh_shape: tuple[int, int, int] | None = None
-        self._tp_mesh = None  # the innermost dim of the same root mesh, where tp_size > 1
+        self._root_mesh = None  # where tp_size > 1: (dp_replicate, dp_shard, tp), whose slices the others are
+        self._tp_mesh = None
         self._checkpoint_group = None  # async saves' own gloo group, made at the first one
         self._staging = snapshot.Staging()  # their CPU copies, reused from one save to the next
 
@@ -303,16 +306,20 @@ class FSDP2Backend(
             # is sharded under FakeTensorMode (shardcore plan), where its rank list cannot be read
             with unset_fake_temporarily():
                 replicas, shards, tp = shape
-                self._tp_mesh = None
+                self._root_mesh = self._tp_mesh = None
                 if tp > 1:
                     root = init_device_mesh(device_type, shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
-                    self._tp_mesh = root["tp"]
+                    self._root_mesh, self._tp_mesh = root, root["tp"]
                     self._mesh = root["dp_shard"] if replicas == 1 else root["dp_replicate", "dp_shard"]
                 elif replicas == 1:
                     self._mesh = init_device_mesh(device_type, (shards,), mesh_dim_names=("fsdp",))
                 else:
                     self._mesh = init_device_mesh(device_type, shape[:2], mesh_dim_names=("dp_replicate", "dp_shard"))
         return self._mesh
+
+    def root_mesh(self, config: ShardConfig):
+        self.mesh(config)
+        return self._root_mesh
 
     def local_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This data-parallel group's contiguous slice of a global batch: with tensor parallelism

@@ -10,9 +10,16 @@ that sharded data parallelism of that config must move:
   + every gradient reduce-scattered once, in the reduce dtype
   + HSDP: every rank's gradient shard all-reduced across the replicas once
 
-Configs: reshard on and off, bf16 parameters (``mixed_precision``), on 2 gloo ranks, and HSDP 2x2
-on 4. Goal: 1.00 +- 0.01 (the Llama's dim-0 sizes divide the shard counts; ``--size odd`` shows
-what the padding of the last shard costs).
+With tensor parallelism (``tp_size``), sharding moves each rank's tp slices, and the minimum adds
+Megatron's tensor-parallel traffic per forward and backward: each row split's output summed once,
+a gathered output gathered once, and in backward the input gradient of each block's column splits
+summed once (q, k and v read one input). Collectives of both kinds count: the recorder also sees
+DTensor's functional collectives.
+
+Configs: reshard on and off, bf16 parameters (``mixed_precision``), on 2 gloo ranks, HSDP 2x2 on 4,
+and TP: tp 2 on 2 ranks, dp_shard 2 x tp 2 and 2 replicas x tp 2 on 4. Goal: 1.00 +- 0.01 (the
+Llama's dim-0 sizes divide the shard counts; ``--size odd`` shows what the padding of the last
+shard costs, and refuses TP: its 5 heads do not split in 2).
 
 Time: the same FSDP2 training with ``torch_compile`` (inductor, units compiled in place) and
 without, in the same processes, alternating steps (ABBA), on a 4-layer, hidden-256 Llama; printed
@@ -55,11 +62,16 @@ CONFIGS = {
     "no_reshard": (2, {"reshard_after_forward": False}),
     "bf16_params": (2, {"mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}),
     "hsdp_2x2": (4, {"dp_replicate_size": 2, "dp_shard_size": 2}),
+    # tensor parallelism under FSDP (the model's own plan): pure TP, dp_shard 2 x tp 2, 2 replicas x tp 2
+    "tp2": (2, {"tp_size": 2}),
+    "dp2_tp2": (4, {"tp_size": 2}),
+    "hsdp2_tp2": (4, {"tp_size": 2, "dp_replicate_size": 2}),
 }
 
 
-def minimum(model: torch.nn.Module, config: dict, world_size: int) -> int:
-    """The ZeRO-3 minimum of bytes per rank per optimizer step (module docstring), unpadded."""
+def minimum(model: torch.nn.Module, config: dict, world_size: int, tokens: int = 0) -> int:
+    """The ZeRO-3 minimum of bytes per rank per optimizer step (module docstring), unpadded; with
+    tensor parallelism on this rank's tp slices, plus TP's minimum for ``tokens`` rows x positions."""
     import shardcore
     from shardcore.plan import build_plan
     from shardcore.validate import data_parallel_shape
@@ -72,13 +84,37 @@ def minimum(model: torch.nn.Module, config: dict, world_size: int) -> int:
     reduce = (itemsize(mp.reduce_dtype or mp.param_dtype) if mp else None) or 4
     params = dict(model.named_parameters())
     plan = build_plan(model, cfg)
-    total = 0
+    split = plan.tp.split_dims() if plan.tp is not None else {}
+    total = _tp_minimum(model, plan.tp, tokens, gather) if plan.tp is not None else 0
     for unit in plan.all_units():
-        n = sum(params[name].numel() for name in unit.param_names)
+        n = sum(params[name].numel() // (cfg.tp_size if name in split else 1) for name in unit.param_names)
         again = cfg.reshard_after_forward and not unit.is_root
-        total += n * gather * (2 if again else 1) + n * reduce
+        if shards > 1:  # a shard group of one rank holds whole parameters: nothing to gather or scatter
+            total += n * gather * (2 if again else 1) + n * reduce
         if replicas > 1:
             total += n * reduce // shards
+    return total
+
+
+def _tp_minimum(model: torch.nn.Module, tp, tokens: int, size: int) -> int:
+    """Megatron's tensor-parallel traffic for one forward and backward of ``tokens`` rows x
+    positions, in ``size``-byte activations: each row split's output summed once (an all-reduce), a
+    gathered output gathered once; in backward, the input gradient of the column splits summed once
+    per block (the layers of one parent read one input: q, k, v), a split input's gathered once."""
+    from shardcore_conformance.comm import _GATHERS_INPUT_GRAD, _GATHERS_OUTPUT, _SUMS_INPUT_GRAD, _SUMS_OUTPUT
+
+    total, blocks = 0, set()
+    for name, style in tp.styles:
+        m = model.get_submodule(name)
+        out = m.out_features if isinstance(m, torch.nn.Linear) else m.embedding_dim
+        if style in _GATHERS_OUTPUT or style in _SUMS_OUTPUT:
+            total += tokens * out * size
+        parent = name.rpartition(".")[0]
+        if style in _SUMS_INPUT_GRAD and parent not in blocks:
+            blocks.add(parent)
+            total += tokens * m.in_features * size
+        elif style in _GATHERS_INPUT_GRAD:
+            total += tokens * m.in_features * size
     return total
 
 
@@ -91,11 +127,14 @@ def _bytes_rank(rank: int, world_size: int, size: str, configs: list[dict], step
     out = []
     for config in configs:
         model = build_llama(size)
-        floor = minimum(model, config, world_size)
+        tp = config.get("tp_size", 1)
+        # local_batch gives each data-parallel group (tp ranks) its rows of the global batch
+        tokens = LLAMA_SIZES[size]["batch"] * tp * LLAMA_SIZES[size]["seq"]
+        floor = minimum(model, config, world_size, tokens)
         model = shardcore.shard(model, config)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         h = shardcore.handle(model)
-        recorder = CommRecorder().install()
+        recorder = CommRecorder(functional=tp > 1).install()
         for step in range(steps):
             recorder.begin_step()
             with recorder.recording():
@@ -106,6 +145,19 @@ def _bytes_rank(rank: int, world_size: int, size: str, configs: list[dict], step
         out.append({"minimum": floor, "steps": recorder.steps})
     torch.distributed.destroy_process_group()
     return out
+
+
+def _takes(size: str, config: dict) -> bool:
+    """Whether this size of Llama can be sharded so (tensor parallelism needs heads it divides)."""
+    import shardcore
+    from shardcore.plan import build_plan
+
+    try:
+        build_plan(build_llama(size), shardcore.parse_config(config))
+    except shardcore.ShardConfigError as e:
+        print(f"  (left out: {config}: {e})")
+        return False
+    return True
 
 
 def _global(size: str, step: int, world_size: int) -> dict:
@@ -152,12 +204,13 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = {}
     print(f"bytes per rank per optimizer step / ZeRO-3 minimum (Llama size {args.size}):")
+    configs = {n: c for n, c in CONFIGS.items() if _takes(args.size, c[1])}
     measured = {}
-    for world in sorted({w for w, _ in CONFIGS.values()}):
-        names = [n for n, (w, _) in CONFIGS.items() if w == world]
-        ranks = run_ranks(_bytes_rank, world, (args.size, [CONFIGS[n][1] for n in names], args.steps))
+    for world in sorted({w for w, _ in configs.values()}):
+        names = [n for n, (w, _) in configs.items() if w == world]
+        ranks = run_ranks(_bytes_rank, world, (args.size, [configs[n][1] for n in names], args.steps))
         measured.update({n: [r[i] for r in ranks] for i, n in enumerate(names)})
-    for name, (world, config) in CONFIGS.items():
+    for name, (world, config) in configs.items():
         ranks = measured[name]
         moved = [sum(k["bytes"] for k in s.values()) for r in ranks for s in r["steps"]]
         floor = ranks[0]["minimum"]

@@ -46,6 +46,10 @@ CONFIGS = [
     ("llama-ws2-offload", "llama-small", 2, {"cpu_offload": True}, 4, 128),
     ("llama-ws4", "llama-small", 4, {}, 4, 128),
     ("llama-ws4-hsdp2x2", "llama-small", 4, {"dp_replicate_size": 2}, 4, 128),
+    # tensor parallelism: pure TP on 2 ranks, dp_shard 2 x tp 2 on 4, and with activation checkpointing
+    ("llama-ws2-tp2", "llama-small", 2, {"tp_size": 2}, 4, 128),
+    ("llama-ws4-tp2", "llama-small", 4, {"tp_size": 2}, 4, 128),
+    ("llama-ws4-tp2-ac", "llama-small", 4, {"tp_size": 2, "activation_checkpointing": True}, 4, 128),
     ("gpt2-ws2", "gpt2-small", 2, {}, 4, 128),
     ("gpt2-ws2-ac", "gpt2-small", 2, {"activation_checkpointing": True}, 4, 128),
     ("gpt2-ws4-bf16-noreshard", "gpt2-small", 4, {"mixed_precision": "bf16", "reshard_after_forward": False}, 4, 128),

@@ -78,7 +78,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = build_plan(model, cfg)
     # under HSDP each replica group holds one whole copy, sharded over dp_shard_size ranks
     replicas, shards = data_parallel_shape(cfg, args.world_size)
-    est = estimate_memory(model, shards)
+    est = estimate_memory(model, shards, tp=plan.tp)
     unique = {id(p): p for p in model.parameters()}.values()
     counts = {
         "params": sum(p.numel() for p in unique),
@@ -94,6 +94,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     "world_size": args.world_size,
                     "dp_replicate_size": replicas,
                     "dp_shard_size": shards,
+                    "tp_size": cfg.tp_size,
                     "per_rank_bytes": {
                         "params": est.param_bytes,
                         "grads": est.grad_bytes,
@@ -114,6 +115,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(plan.describe())
     print()
     mesh = f", dp_replicate {replicas} x dp_shard {shards}" if replicas > 1 else ""
+    mesh += f", dp_shard {shards} x tp_size {cfg.tp_size}" if cfg.tp_size > 1 and replicas == 1 else ""
+    mesh += f" x tp_size {cfg.tp_size}" if cfg.tp_size > 1 and replicas > 1 else ""
     print(f"estimated bytes per rank at world size {args.world_size}{mesh} (largest shard, rank 0):")
     print(f"  params      {format_bytes(est.param_bytes, 1):>12}")
     print(f"  grads       {format_bytes(est.grad_bytes, 1):>12}")

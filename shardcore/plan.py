@@ -209,29 +209,34 @@ class MemoryEstimate:
 
 
 def estimate_memory(
-    model: nn.Module, world_size: int, optim_state_dtype: torch.dtype = torch.float32
+    model: nn.Module, world_size: int, optim_state_dtype: torch.dtype = torch.float32, tp: TPPlan | None = None
 ) -> MemoryEstimate:
     """Bytes per rank (the largest, rank 0) of parameters, gradients and AdamW state after sharding.
 
     FSDP-style sharding splits every parameter along dim 0 in ``world_size`` chunks of
     ``ceil(dim0 / world_size)`` rows, so rank 0 holds the largest chunk; AdamW keeps ``exp_avg`` and
-    ``exp_avg_sq`` per trainable element (the scalar ``step`` is ignored).
+    ``exp_avg_sq`` per trainable element (the scalar ``step`` is ignored). With tensor parallelism
+    (``tp``), a split parameter's tp slice (its split dim divided by ``tp.size``) is what is sharded.
     """
     if world_size < 1:
         raise WrapPlanError("world_size", f"must be >= 1, got {world_size}.")
     pbytes = gbytes = obytes = full = full_optim = 0
     seen: set[int] = set()
     state_item = torch.empty((), dtype=optim_state_dtype).element_size()
-    for p in model.parameters():
+    split = tp.split_dims() if tp is not None else {}
+    for name, p in model.named_parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
         full += p.numel() * p.element_size()
+        shape = list(p.shape)
+        if name in split:
+            shape[split[name]] //= tp.size  # type: ignore[union-attr]
         if p.dim() == 0:
             local = p.numel()
         else:
-            rows = math.ceil(p.shape[0] / world_size)
-            local = rows * (p.numel() // p.shape[0] if p.shape[0] else 0)
+            rows = math.ceil(shape[0] / world_size)
+            local = rows * (math.prod(shape) // shape[0] if shape[0] else 0)
         pbytes += local * p.element_size()
         if p.requires_grad:
             gbytes += local * p.element_size()

@@ -113,8 +113,9 @@ def test_accumulation_counts_one_reduction_per_unit_with_no_sync(tmp_path):
 
 
 def test_comm_tiny_moves_the_zero3_minimum_in_every_config(tmp_path):
-    """Bytes are exact: every config (reshard on and off, bf16 parameters, HSDP 2x2) moves what
-    ZeRO-3 must per optimizer step, at the tiny Llama whose dim-0 sizes divide the shard counts;
+    """Bytes are exact: every config (reshard on and off, bf16 parameters, HSDP 2x2, and tensor
+    parallelism alone, under FSDP and under HSDP) moves what ZeRO-3 (and Megatron's TP) must per
+    optimizer step, at the tiny Llama whose dim-0 sizes divide the shard counts;
     the compiled-vs-eager timing runs and reports a ratio (never asserted)."""
     res = tmp_path / "comm.json"
     out = _run(
@@ -133,10 +134,16 @@ def test_comm_tiny_moves_the_zero3_minimum_in_every_config(tmp_path):
         str(res),
     )
     doc = json.loads(res.read_text())
-    assert set(doc["configs"]) == {"reshard", "no_reshard", "bf16_params", "hsdp_2x2"}
+    assert set(doc["configs"]) == {"reshard", "no_reshard", "bf16_params", "hsdp_2x2", "tp2", "dp2_tp2", "hsdp2_tp2"}
     for name, row in doc["configs"].items():
         assert row["ratio"] == 1.0 and len(row["bytes_per_step"]) == 1, (name, row)
     calls = {n: r["calls_per_step"] for n, r in doc["configs"].items()}
+    # tensor parallelism over pairs, per decoder layer: 2 outputs summed in forward, 2 input gradients
+    # (q, k, v share one) in backward; the embedding's output, the head's input gradient; the head's
+    # output gathered. FSDP's gathers and reduce-scatters only where dp_shard > 1.
+    assert calls["tp2"] == {"all_gather": 1, "reduce_scatter": 0, "all_reduce": 2 * 4 + 2}
+    assert calls["dp2_tp2"]["all_reduce"] == 10 and calls["dp2_tp2"]["reduce_scatter"] == 3
+    assert calls["hsdp2_tp2"]["all_reduce"] == 10 + 3  # and the replicas' all-reduce per unit
     assert calls["reshard"] == {"all_gather": 5, "reduce_scatter": 3, "all_reduce": 0}  # root gathered once
     assert calls["no_reshard"]["all_gather"] == 3 and calls["hsdp_2x2"]["all_reduce"] == 3
     assert doc["goal_met"] and "goal 1.00 +- 0.01: met" in out.stdout

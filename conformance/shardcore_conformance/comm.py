@@ -279,15 +279,19 @@ def autograd_facts(model: nn.Module, plan: Any, run_step: Any) -> list[dict[str,
         handles.append(model.get_submodule(u.path).register_forward_hook(hook))
     tp = getattr(plan, "tp", None)
     split: dict[str, dict[str, Any]] = {}  # tensor-parallel module -> its style and activations' bytes
+    readers: dict[tuple[str, int], tuple[torch.Tensor, str]] = {}  # (parent, input) -> the first reader
     for name, style in tp.styles if tp is not None else ():
 
         def record(module: nn.Module, args: Any, output: Any, name: str = name, style: str = style) -> None:
             x, y = _tensors(args)[0], _tensors(output)[0]
+            # layers of one parent reading one tensor (q, k, v) share its gradient's sum over the tp ranks
+            first = readers.setdefault((name.rpartition(".")[0], id(x)), (x, name))
             split.setdefault(
                 name,
                 {
                     "name": name,
                     "style": style,
+                    "input_of": first[1] if first[0] is x else name,
                     "in_elems": x.numel(),
                     "in_size": x.element_size(),
                     "in_grad": x.requires_grad,
@@ -438,14 +442,16 @@ def _expect_tensor_parallel(u: dict[str, Any], config: Any, dp: int, a: int, add
     - forward: a gathered output (``colwise_gather_output``) is an all-gather of the output; a
       summed one (``rowwise``, ``embedding_rowwise``) an all-reduce of it; a split one none;
     - backward, where the input needs a gradient: a colwise layer's input came whole, so its
-      gradient is summed over the tp ranks (an all-reduce); a ``rowwise_split_input`` layer's was
-      split locally, so its gradient is gathered; a rowwise layer's stays split;
+      gradient is summed over the tp ranks (an all-reduce), once for the layers of one parent that
+      read the same tensor (q, k and v); a ``rowwise_split_input`` layer's was split locally, so
+      its gradient is gathered; a rowwise layer's stays split;
     - activation checkpointing runs the unit's forward again in backward, collectives included;
     - bytes: the full-size tensor, in the compute dtype (``mixed_precision.param_dtype``)."""
     mp = config.mixed_precision
     compute = itemsize(mp.param_dtype) if mp is not None else None
     recomputed = config.activation_checkpointing and u["path"] != "" and u["in_backward"]
     forwards = a * (2 if recomputed else 1)
+    summed_inputs: set[str] = set()
     for m in u.get("tp_modules", []):
         style, name = m["style"], m["name"]
         out_b = m["out_elems"] // dp * (compute or m["out_size"])
@@ -455,8 +461,9 @@ def _expect_tensor_parallel(u: dict[str, Any], config: Any, dp: int, a: int, add
         elif style in _SUMS_OUTPUT:
             add("all_reduce", forwards, out_b, out_b, f"{name} output x{forwards}")
         if m["in_grad"] and u["in_backward"]:
-            if style in _SUMS_INPUT_GRAD:
-                add("all_reduce", a, in_b, in_b, f"{name} input gradient x{a}")
+            if style in _SUMS_INPUT_GRAD and m["input_of"] not in summed_inputs:
+                summed_inputs.add(m["input_of"])
+                add("all_reduce", a, in_b, in_b, f"{m['input_of']} input gradient x{a}")
             elif style in _GATHERS_INPUT_GRAD:
                 add("all_gather", a, in_b, in_b, f"{name} input gradient x{a}")
 

@@ -22,8 +22,10 @@ def torch_style(style: str) -> Any:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     if style == "colwise":
-        return ColwiseParallel()
-    if style in ("colwise_gather_output", "colwise_rep", "embedding_colwise"):
+        return _shared_input(ColwiseParallel)()
+    if style in ("colwise_gather_output", "colwise_rep"):
+        return _shared_input(ColwiseParallel)(output_layouts=Replicate())
+    if style == "embedding_colwise":
         return ColwiseParallel(output_layouts=Replicate())
     if style == "rowwise":
         return RowwiseParallel()
@@ -32,13 +34,63 @@ def torch_style(style: str) -> Any:
     raise AssertionError(f"style {style!r} passed config validation but has no DTensor form")  # pragma: no cover
 
 
+#: the styles whose layers take their input whole (Replicate): siblings reading one tensor share it
+_SHARES_INPUT = ("colwise", "colwise_gather_output", "colwise_rep")
+
+
+def _shared_input(colwise: type) -> type:
+    """``ColwiseParallel`` whose sibling layers that read one input tensor (attention's q, k and v;
+    the MLP's gate and up) share one DTensor of it. Each layer's own would sum its input's gradient
+    over the tp ranks by itself: 3 all-reduces per attention and 2 per MLP in backward. Shared,
+    autograd adds the partial gradients first, and one all-reduce sums them: Megatron's count."""
+
+    class SharedInputColwise(colwise):
+        @staticmethod
+        def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+            shared = getattr(mod, "_shardcore_tp_inputs", None)
+            if shared is None or torch.compiler.is_compiling():
+                return colwise._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
+            key = (id(inputs[0]), device_mesh, tuple(input_layouts), tuple(desired_input_layouts))
+            hit = shared.get(key)
+            if hit is None or hit[0] is not inputs[0]:
+                hit = (
+                    inputs[0],
+                    colwise._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh),
+                )
+                shared[key] = hit
+            return hit[1]
+
+    return SharedInputColwise
+
+
+def _share_inputs_within_parents(model: nn.Module, plan: TPPlan) -> None:
+    """One cache of converted inputs per parent of sharing layers, alive only while the parent's
+    forward runs (emptied before and after): it holds the activations it maps."""
+    parents: dict[str, dict] = {}
+    for name, style in plan.styles:
+        if style not in _SHARES_INPUT:
+            continue
+        parent = name.rpartition(".")[0]
+        if parent not in parents:
+            cache = parents[parent] = {}
+            module = model.get_submodule(parent)
+            module.register_forward_pre_hook(lambda *_, c=cache: c.clear())
+            module.register_forward_hook(lambda *_, c=cache: c.clear())
+        model.get_submodule(name)._shardcore_tp_inputs = parents[parent]
+
+
 def apply(model: nn.Module, plan: TPPlan, tp_mesh: Any) -> None:
     """Split every module of ``plan`` across ``tp_mesh``. Each module gets new DTensor parameters,
     so a tied weight (embedding and head, both split along dim 0) is tied again afterwards."""
     from torch.distributed.tensor.parallel import parallelize_module
 
+    styles = {name: torch_style(style) for name, style in plan.styles}
     with ties_kept(model):
-        parallelize_module(model, tp_mesh, {name: torch_style(style) for name, style in plan.styles})
+        # src_data_rank None: each rank keeps its slice of its own weights, as fully_shard keeps its
+        # shard, with no scatter from the tp group's first rank (which a fake process group, shardcore
+        # plan's, cannot run either). Weights that differ between ranks are cpu_ram_efficient_loading's.
+        parallelize_module(model, tp_mesh, styles, src_data_rank=None)
+    _share_inputs_within_parents(model, plan)
 
 
 def by_mesh(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:

@@ -111,7 +111,7 @@ def build_tp_plan(model: nn.Module, config: ShardConfig) -> TPPlan | None:
                 'such as {"layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"}.',
             )
         for pattern, style in patterns.items():
-            check_tp_style(f"tp_plan (auto: {type(model).__name__}'s {pattern!r})", style)
+            check_tp_style("tp_plan", style, f"{type(model).__name__}'s own pattern {pattern!r} (tp_plan: auto)")
     else:
         patterns, source = config.tp_plan, "tp_plan"
     key = "tp_plan"

@@ -61,8 +61,8 @@ def test_tp_keys_from_every_source(tmp_path):
         ({"tp_size": 1.5}, "tp_size", "positive integer"),
         ({"tp_size": 2, "tp_plan": ["colwise"]}, "tp_plan", "mapping of module-name pattern -> style"),
         ({"tp_size": 2, "tp_plan": "{not json"}, "tp_plan", "not valid JSON"),
-        ({"tp_size": 2, "tp_plan": {"lm_head": "colwize"}}, "tp_plan['lm_head']", "did you mean 'colwise'?"),
-        ({"tp_size": 2, "tp_plan": {"lm_head": "packed_colwise"}}, "tp_plan['lm_head']", "shardcore does not apply"),
+        ({"tp_size": 2, "tp_plan": {"lm_head": "colwize"}}, "tp_plan", "pattern 'lm_head' the style 'colwize', not a"),
+        ({"tp_size": 2, "tp_plan": {"lm_head": "packed_colwise"}}, "tp_plan", "shardcore does not apply"),
         ({"tp_plan": "auto"}, "tp_plan", "tp_size is 1"),
         ({"parallelism_config": {"cp_size": 2}}, "parallelism_config.cp_size", "context or sequence parallelism"),
     ],
@@ -209,7 +209,9 @@ def test_a_model_plan_naming_a_style_shardcore_does_not_apply_is_refused():
         ShardConfigError, match="'replicated_with_grad_allreduce', a transformers tensor-parallel style"
     ) as e:
         build_plan(model, parse_config({"tp_size": 2}))
-    assert "Qwen3ForCausalLM's 'model.layers.*.self_attn.q_norm'" in e.value.key
+    assert e.value.key == "tp_plan" and "Qwen3ForCausalLM's own pattern 'model.layers.*.self_attn.q_norm'" in str(
+        e.value
+    )
 
 
 def test_lora_with_tp_is_refused_by_name():

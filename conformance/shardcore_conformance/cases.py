@@ -261,7 +261,7 @@ def _matrix(backend: Any, world_size: int = 2, dtype: str | None = None) -> list
     if {"dp_replicate_size", "dp_shard_size"} <= keys and world_size >= 2:
         _hsdp_cases(add, keys, world_size, _clips(backend))
     if {"tp_size", "tp_plan"} <= keys and world_size % 2 == 0:
-        _tp_cases(add, keys, world_size, _clips(backend))
+        _tp_cases(add, backend, keys, world_size, _clips(backend))
     if "torch_compile" in keys:
         _compile_cases(add, keys, world_size, _clips(backend))
     if _peft_installed():
@@ -445,12 +445,13 @@ TP_PLAN = {
 }
 
 
-def _tp_cases(add: Any, keys: frozenset[str], world_size: int, clips: bool) -> None:
+def _tp_cases(add: Any, backend: Any, keys: frozenset[str], world_size: int, clips: bool) -> None:
     """Tensor parallelism over pairs of ranks (``tp_size`` 2): pure TP on 2 ranks (``tp2-``), TP
     under FSDP on more (``dp2-tp2-`` on 4: dp_shard 2 x tp 2; ``hsdp2x1-tp2-``: 2 replicas x tp 2).
     Llama (its own plan, GQA) and Qwen2 (its own plan, biased q/k/v, tied embeddings split along
-    the vocabulary), each with the structural knobs, accumulation, clipping and resume in both
-    checkpoint formats. Besides the numbers, the placement check holds every weight to the plan's
+    the vocabulary), each with the structural knobs, accumulation, clipping, resume in both
+    checkpoint formats, and rank 0's weights or each rank's slices of a FULL checkpoint
+    (``cpu_ram_efficient_loading``). Besides the numbers, the placement check holds every weight to the plan's
     split on the ``tp`` mesh dim and the communication check counts TP's collectives.
     (No bf16 case yet: a rowwise layer's partial sums are rounded to bf16 before they are summed,
     which the single-device bf16 reference does not do; docs/tensor_parallel.md.)"""
@@ -473,6 +474,11 @@ def _tp_cases(add: Any, keys: frozenset[str], world_size: int, clips: bool) -> N
         sharded = {**tp, "state_dict_type": "SHARDED_STATE_DICT"}
         add(f"{tag}-llama-sharded_state_dict", "llama_tp", sharded, resume_at=RESUME_AT, family="tp")
         add(f"{tag}-qwen2-sharded_state_dict", "qwen2_tp", sharded, resume_at=RESUME_AT, family="tp")
+    if "cpu_ram_efficient_loading" in keys:  # rank 0's weights, or each rank's slices of a FULL checkpoint
+        efficient = {**tp, "cpu_ram_efficient_loading": True}
+        add(f"{tag}-llama-cpu_ram_efficient_loading", "llama_tp", efficient, family="tp")
+        if _shards_without_weights(backend):
+            add(f"{tag}-llama-empty_weights", "llama_tp", efficient, empty_weights=True, family="tp")
     if {"dp_replicate_size", "dp_shard_size"} <= keys and dp >= 2:
         add(f"hsdp{dp}x1-tp2-llama", "llama_tp", {**tp, "dp_replicate_size": dp}, family="tp")
 

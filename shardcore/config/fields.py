@@ -277,26 +277,28 @@ def _tp_plan(key: str, value: Any) -> str | dict[str, str] | None:
     for pattern, style in value.items():
         if not isinstance(pattern, str) or not pattern.strip():
             raise ShardConfigError(key, f"has the pattern {show_value(pattern)}; patterns are module names (strings).")
-        check_tp_style(f"{key}[{pattern!r}]", style)
+        check_tp_style(key, style, f"pattern {pattern!r}")
         out[pattern.strip()] = style
     return out
 
 
-def check_tp_style(key: str, style: Any) -> None:
-    """A style shardcore applies, or a :class:`ShardConfigError` naming the ones it does."""
+def check_tp_style(key: str, style: Any, where: str) -> None:
+    """A style shardcore applies, or a :class:`ShardConfigError` on ``key`` naming ``where`` (the
+    pattern that has the style) and the styles it does apply."""
     if isinstance(style, str) and style in TP_STYLES:
         return
     if isinstance(style, str) and style in TP_STYLES_UNSUPPORTED:
         raise ShardConfigError(
             key,
-            f"is {style!r}, a transformers tensor-parallel style shardcore does not apply. Supported: "
-            f"{', '.join(TP_STYLES)}. Give a tp_plan without it (that module then stays whole on every tp rank).",
+            f"gives {where} the style {style!r}, a transformers tensor-parallel style shardcore does not apply. "
+            f"Supported: {', '.join(TP_STYLES)}. Give a tp_plan without it (that module then stays whole on every "
+            "tp rank).",
         )
     close = difflib.get_close_matches(str(style), list(TP_STYLES), n=1)
     raise ShardConfigError(
         key,
-        f"is {show_value(style)}, not a tensor-parallel style{f' (did you mean {close[0]!r}?)' if close else ''}. "
-        f"Use one of {', '.join(TP_STYLES)}.",
+        f"gives {where} the style {show_value(style)}, not a tensor-parallel style"
+        f"{f' (did you mean {close[0]!r}?)' if close else ''}. Use one of {', '.join(TP_STYLES)}.",
     )
 
 

@@ -11,6 +11,7 @@ import torch
 
 import shardcore
 from shardcore import ShardConfigError, parse_config
+from shardcore.capabilities import TensorParallel
 from shardcore.plan import build_plan
 from shardcore.tp import pattern_regex
 from shardcore.validate import data_parallel_shape
@@ -222,14 +223,19 @@ def test_lora_with_tp_is_refused_by_name():
     assert e.value.key == "tp_size"
 
 
-def test_backends_without_tp_refuse_it_by_name():
+def test_fsdp2_declares_tensor_parallelism():
+    backend = shardcore.get_backend("fsdp2")
+    assert {"tp_size", "tp_plan"} <= backend.supported_keys and isinstance(backend, TensorParallel)
+
+
+@pytest.mark.xla
+def test_the_xla_backends_refuse_tp_by_name():
     from shardcore.backend import resolve_backend
 
     for cfg in ({"xla": True, "tp_size": 2}, {"xla": True, "xla_fsdp_v2": True, "tp_size": 2}):
         with pytest.raises(shardcore.UnsupportedKeyError, match="Use the fsdp2 backend for tensor parallelism") as e:
             resolve_backend(parse_config(cfg), None)
         assert e.value.key == "tp_size"
-    assert {"tp_size", "tp_plan"} <= shardcore.get_backend("fsdp2").supported_keys
 
 
 def test_the_matrix_has_a_tp_family_at_two_and_four_ranks():

@@ -127,22 +127,18 @@ class TwoOutputMLP(nn.Module):
 # Tiny Hugging Face models: (config class, model class, config) in transformers. Llama: GQA, RMSNorm,
 # rotary positions (a non-persistent buffer), untied head. GPT-2: tied input and output embeddings
 # (``lm_head.weight is transformer.wte.weight``), learned positions, fused QKV ``Conv1D``; dropout off.
+#: the Llama-shaped decoders' sizes (Llama, Qwen2)
+_DECODER = dict(
+    hidden_size=32,
+    intermediate_size=56,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    attn_implementation="eager",
+)
 _TINY_HF = {
-    "llama": (
-        "LlamaConfig",
-        "LlamaForCausalLM",
-        dict(
-            vocab_size=97,
-            hidden_size=32,
-            intermediate_size=56,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            tie_word_embeddings=False,
-            attn_implementation="eager",
-        ),
-    ),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(vocab_size=97, tie_word_embeddings=False, **_DECODER)),
     "gpt2": (
         "GPT2Config",
         "GPT2LMHeadModel",
@@ -163,21 +159,7 @@ _TINY_HF = {
     ),
     # a second architecture with its own tensor-parallel plan: tied input and output embeddings, both
     # split along the vocabulary, and biased q/k/v projections (a colwise bias is split too)
-    "qwen2": (
-        "Qwen2Config",
-        "Qwen2ForCausalLM",
-        dict(
-            vocab_size=96,
-            hidden_size=32,
-            intermediate_size=56,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            tie_word_embeddings=True,
-            attn_implementation="eager",
-        ),
-    ),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(vocab_size=96, tie_word_embeddings=True, **_DECODER)),
 }
 
 

@@ -37,12 +37,13 @@ def backend(model):
     return shardcore.handle(model).backend
 
 
-def train(model, opt, first: int, last: int) -> list[float]:
-    """Steps ``first``..``last - 1`` of the fixed schedule; the global mean loss of each."""
+def train(model, opt, first: int, last: int, case_model: str = "llama") -> list[float]:
+    """Steps ``first``..``last - 1`` of the fixed schedule (the batches of the conformance model
+    ``case_model``); the global mean loss of each."""
     rt = backend(model)
     losses = []
-    for batch in make_batches("llama", STEPS, BATCH, 0)[first:last]:
-        loss = loss_fn("llama", model, rt.local_batch(batch))
+    for batch in make_batches(case_model, STEPS, BATCH, 0)[first:last]:
+        loss = loss_fn(case_model, model, rt.local_batch(batch))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

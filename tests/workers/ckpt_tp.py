@@ -4,13 +4,11 @@ DIR/tp_chain.pt, and the last FULL checkpoint stays in DIR for ``from_pretrained
 import sys
 from pathlib import Path
 
-import torch
 from ckpt_hsdp import optimizer_state
 
 import shardcore
-from shardcore_conformance.models import loss_fn, make_batches
 
-from ckpt_common import BATCH, LR, STEPS, backend, build, full, run, write
+from ckpt_common import STEPS, full, run, sharded, train, write
 
 #: layouts a 4-rank run passes through, resuming each time: 2-D (dp_shard 2 x tp 2), plain FSDP over
 #: 4, pure TP over 4, HSDP 2 replicas x tp 2
@@ -19,37 +17,20 @@ TP_CHAIN = ({"tp_size": 2}, {}, {"tp_size": 4}, {"tp_size": 2, "dp_replicate_siz
 MODEL = {"vocab_size": 96, "num_key_value_heads": 4}
 
 
-def sharded(seed, config):
-    model = shardcore.shard(build(seed, **MODEL), config)
-    return model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-
-
-def train(model, opt, first: int, last: int) -> list[float]:
-    rt = backend(model)
-    losses = []
-    for batch in make_batches("llama_tp", STEPS, BATCH, 0)[first:last]:
-        loss = loss_fn("llama_tp", model, rt.local_batch(batch))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(rt.all_reduce_sum(loss.detach()) / rt.world().size))
-    return losses
-
-
 def tp_chain(d: Path) -> None:
-    model, opt = sharded(0, {})
-    out = {"straight": train(model, opt, 0, STEPS)}
+    model, opt = sharded(0, {}, **MODEL)
+    out = {"straight": train(model, opt, 0, STEPS, "llama_tp")}
     del model, opt
     for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
         runs, previous = [], None
         for i, layout in enumerate(TP_CHAIN):
-            model, opt = sharded(0 if previous is None else 100 + i, layout)
+            model, opt = sharded(0 if previous is None else 100 + i, layout, **MODEL)
             loaded = None
             if previous is not None:
                 shardcore.load(model, previous, opt)
                 loaded = {"params": full(model), "optim": optimizer_state(model, opt)}
             first = (STEPS * i) // len(TP_CHAIN)
-            losses = train(model, opt, first, (STEPS * (i + 1)) // len(TP_CHAIN))
+            losses = train(model, opt, first, (STEPS * (i + 1)) // len(TP_CHAIN), "llama_tp")
             saved = {"params": full(model), "optim": optimizer_state(model, opt)}
             previous = d / f"tp-{kind}-{i}"
             shardcore.save(model, previous, opt, state_dict_type=kind)

@@ -258,3 +258,36 @@ def test_the_matrix_has_a_tp_family_at_two_and_four_ranks():
         from shardcore_conformance.models import build_model
 
         assert build_plan(build_model(c.model, 0), parse_config(c.config)).tp is not None, c.name
+
+
+def test_shared_inputs_are_not_kept_past_a_checkpointed_backward():
+    """Column splits of one parent share one DTensor of their input through a per-parent cache that
+    the parent's forward empties when it ends. Activation checkpointing's recomputation (torch's
+    early stop on) may end inside the MLP, before that hook: it must not fill the cache, or the MLP's
+    recomputed input would live until the next step. On a world of one, in this process: the split
+    is over a 1-rank ``tp`` mesh, which runs the same hooks."""
+    import dataclasses
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardcore.distributed import ensure_process_group
+    from shardcore_fsdp2 import tensor_parallel
+    from shardcore_fsdp2.backend import checkpoint_forward
+
+    ensure_process_group(60.0, "cpu", False)
+    model = llama()
+    plan = dataclasses.replace(build_plan(model, parse_config({"tp_size": 2})).tp, size=1)
+    tensor_parallel.apply(model, plan, init_device_mesh("cpu", (1,), mesh_dim_names=("tp",)))
+    model.config.use_cache = False  # a KV cache filled again by the recomputation (shard() turns it off)
+    for layer in model.model.layers:
+        checkpoint_forward(layer)
+    caches = {
+        id(m._shardcore_tp_inputs): m._shardcore_tp_inputs
+        for m in model.modules()
+        if hasattr(m, "_shardcore_tp_inputs")
+    }
+    assert len(caches) == 2 * len(model.model.layers) + 1  # attention, MLP, and the root's head
+    ids = torch.arange(32).reshape(2, 16) % 96
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert all(not c for c in caches.values()), [len(c) for c in caches.values()]
+    assert all(p.grad is not None for p in model.parameters())

@@ -48,7 +48,10 @@ def _shared_input(colwise: type) -> type:
         @staticmethod
         def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
             shared = getattr(mod, "_shardcore_tp_inputs", None)
-            if shared is None or torch.compiler.is_compiling():
+            # Not in backward: activation checkpointing's recomputation runs there, may stop before
+            # the parent's forward hook empties the cache (which would then keep activations alive),
+            # and needs no sharing, since backward follows the first forward's graph.
+            if shared is None or torch.compiler.is_compiling() or torch._C._current_graph_task_id() != -1:
                 return colwise._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
             key = (id(inputs[0]), device_mesh, tuple(input_layouts), tuple(desired_input_layouts))
             hit = shared.get(key)

@@ -247,3 +247,18 @@ class SplitsRowwiseColwiseBackend(FSDP2Backend):
             return super().apply(model, plan, config)
         finally:
             tensor_parallel.torch_style = right
+
+
+class IgnoresTpPlanBackend(FSDP2Backend):
+    """FSDP2 with tensor parallelism that accepts ``tp_plan`` and splits by the model's own plan:
+    the same numbers, other weights split."""
+
+    name = "broken-ignores-tp-plan"
+
+    def apply(self, model, plan, config):
+        import dataclasses
+
+        from shardcore.tp import build_tp_plan
+
+        own = build_tp_plan(model, _without(config, tp_plan=None))
+        return super().apply(model, dataclasses.replace(plan, tp=own), config)

@@ -301,29 +301,40 @@ def test_tp_on_four_ranks_matches_and_its_evidence_is_observed(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    "backend, placement",
+    "backend, cases, gathers, placement",
     [
         # runs every rank as one FSDP group: the numbers are right, nothing is split
         (
             "IgnoresTensorParallelBackend",
+            "tp2-llama,tp2-qwen2",
+            "all_gather calls, expected 1",
             " is not split over the tp mesh dim; the plan (tp_size 2) has it split along dim 0",
         ),
         # gathers where it should sum: the numbers are right, the other dim of each rowwise weight is split
         (
             "SplitsRowwiseColwiseBackend",
+            "tp2-llama,tp2-qwen2",
+            "all_gather calls, expected 1",
             "'s model.layers.0.mlp.down_proj.weight is split along dim 0 over the tp mesh dim; the plan (tp_size 2) has it split along dim 1",
+        ),
+        # accepts tp_plan and splits by the model's own plan: the numbers are right, other weights split
+        (
+            "IgnoresTpPlanBackend",
+            "tp2-llama-plan",
+            "1 all_gather calls, expected 3",
+            "'s model.embed_tokens.weight is split along dim 0 over the tp mesh dim; the plan (tp_size 2) has it not split",
         ),
     ],
 )
-def test_suite_catches_a_backend_that_gets_tensor_parallelism_wrong(backend, placement):
+def test_suite_catches_a_backend_that_gets_tensor_parallelism_wrong(backend, cases, gathers, placement):
     from shardcore_conformance import run_suite, select
 
-    chosen = select(fsdp2_matrix(), "tp2-llama,tp2-qwen2")
+    chosen = select(fsdp2_matrix(), cases)
     result = run_suite(chosen, f"broken_backends:{backend}", world_size=2, plots=False)
-    assert not result.ok and len(result.verdicts) == 2
+    assert not result.ok and len(result.verdicts) == len(chosen) == len(cases.split(","))
     for v in result.verdicts:
         comm, split = v.reasons
-        assert comm.startswith("communication differs at step 0 on rank 0: ") and "all_gather calls, expected 1" in comm
+        assert comm.startswith("communication differs at step 0 on rank 0: ") and gathers in comm
         assert split.startswith("tensor parallelism: rank 0") and placement in split, split
         assert v.max_param_diff <= v.tolerance["param_atol"] and v.max_loss_diff <= v.tolerance["loss_atol"], v.case
 

@@ -161,6 +161,7 @@ def _parse(raw: dict):
 @example({"xla_fsdp_settings": {1: [None]}})
 @example({"cpu_offload": float("nan"), "offload_params": float("nan")})
 @example({"mixed_precision_policy": torch.int8})
+@example({"tp_size": 2, "tp_plan": {"lm_head": 10**5000}})  # str() of it raised in the did-you-mean
 def test_parse_config_accepts_or_names_the_key(raw):
     cfg, err = _parse(raw)
     if cfg is not None:

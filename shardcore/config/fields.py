@@ -294,7 +294,8 @@ def check_tp_style(key: str, style: Any, where: str) -> None:
             f"Supported: {', '.join(TP_STYLES)}. Give a tp_plan without it (that module then stays whole on every "
             "tp rank).",
         )
-    close = difflib.get_close_matches(str(style), list(TP_STYLES), n=1)
+    # str() of a 5000-digit int raises; only a string can be a misspelt style
+    close = difflib.get_close_matches(style, TP_STYLES, n=1) if isinstance(style, str) else []
     raise ShardConfigError(
         key,
         f"gives {where} the style {show_value(style)}, not a tensor-parallel style"

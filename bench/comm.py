@@ -34,6 +34,7 @@ this size; the ratio is reported, not tuned.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -84,10 +85,13 @@ def minimum(model: torch.nn.Module, config: dict, world_size: int, tokens: int =
     reduce = (itemsize(mp.reduce_dtype or mp.param_dtype) if mp else None) or 4
     params = dict(model.named_parameters())
     plan = build_plan(model, cfg)
-    split = plan.tp.split_dims() if plan.tp is not None else {}
     total = _tp_minimum(model, plan.tp, tokens, gather) if plan.tp is not None else 0
+
+    def local(name: str) -> int:
+        return math.prod(plan.tp.local_shape(name, params[name].shape)) if plan.tp else params[name].numel()
+
     for unit in plan.all_units():
-        n = sum(params[name].numel() // (cfg.tp_size if name in split else 1) for name in unit.param_names)
+        n = sum(local(name) for name in unit.param_names)
         again = cfg.reshard_after_forward and not unit.is_root
         if shards > 1:  # a shard group of one rank holds whole parameters: nothing to gather or scatter
             total += n * gather * (2 if again else 1) + n * reduce

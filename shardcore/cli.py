@@ -115,8 +115,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(plan.describe())
     print()
     mesh = f", dp_replicate {replicas} x dp_shard {shards}" if replicas > 1 else ""
-    mesh += f", dp_shard {shards} x tp_size {cfg.tp_size}" if cfg.tp_size > 1 and replicas == 1 else ""
-    mesh += f" x tp_size {cfg.tp_size}" if cfg.tp_size > 1 and replicas > 1 else ""
+    if cfg.tp_size > 1:
+        mesh = f"{mesh or f', dp_shard {shards}'} x tp_size {cfg.tp_size}"
     print(f"estimated bytes per rank at world size {args.world_size}{mesh} (largest shard, rank 0):")
     print(f"  params      {format_bytes(est.param_bytes, 1):>12}")
     print(f"  grads       {format_bytes(est.grad_bytes, 1):>12}")

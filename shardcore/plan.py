@@ -223,15 +223,12 @@ def estimate_memory(
     pbytes = gbytes = obytes = full = full_optim = 0
     seen: set[int] = set()
     state_item = torch.empty((), dtype=optim_state_dtype).element_size()
-    split = tp.split_dims() if tp is not None else {}
     for name, p in model.named_parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
         full += p.numel() * p.element_size()
-        shape = list(p.shape)
-        if name in split:
-            shape[split[name]] //= tp.size  # type: ignore[union-attr]
+        shape = tp.local_shape(name, p.shape) if tp is not None else list(p.shape)
         if p.dim() == 0:
             local = p.numel()
         else:

@@ -60,6 +60,11 @@ class TPPlan:
                 out[f"{name}.bias"] = 0
         return out
 
+    def local_shape(self, name: str, shape: tuple[int, ...] | list[int]) -> list[int]:
+        """The part of parameter ``name`` one tp rank holds (what data-parallel sharding then splits)."""
+        dim = self.split_dims().get(name)
+        return [n // self.size if i == dim else n for i, n in enumerate(shape)]
+
     def describe(self) -> str:
         rows = [f"tensor parallel: tp_size {self.size}, from {self.source}"]
         rows += [f"  {name:<46} {style}" for name, style in self.styles]

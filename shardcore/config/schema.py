@@ -10,18 +10,19 @@ from typing import Any, Mapping
 
 AUTO_WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
 STATE_DICT_TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT")
-#: tensor-parallel styles shardcore applies, by transformers' names (``base_model_tp_plan`` values):
-#: style -> what it splits. ``colwise_rep`` is the name transformers 4.x gave ``colwise_gather_output``.
-TP_STYLES = {
-    "colwise": "a Linear's output features; the output stays split",
-    "colwise_gather_output": "a Linear's output features; the output is gathered",
-    "colwise_rep": "a Linear's output features; the output is gathered",
-    "rowwise": "a Linear's input features; the input arrives split, the output is summed",
-    "rowwise_split_input": "a Linear's input features; the input arrives whole, the output is summed",
-    "rowwise_rep": "a Linear's input features; the input arrives whole, the output is summed",
-    "embedding_rowwise": "an Embedding's rows (the vocabulary); the output is summed",
-    "embedding_colwise": "an Embedding's columns; the output is gathered",
-}
+#: tensor-parallel styles shardcore applies, by transformers' names (``base_model_tp_plan`` values;
+#: docs/tensor_parallel.md says what each splits). ``colwise_rep`` and ``rowwise_rep`` are transformers
+#: 4.x's names of ``colwise_gather_output`` and ``rowwise_split_input``.
+TP_STYLES = (
+    "colwise",
+    "colwise_gather_output",
+    "colwise_rep",
+    "rowwise",
+    "rowwise_split_input",
+    "rowwise_rep",
+    "embedding_rowwise",
+    "embedding_colwise",
+)
 #: transformers styles shardcore knows and does not apply (yet): a plan naming one is refused, not
 #: half applied
 TP_STYLES_UNSUPPORTED = (

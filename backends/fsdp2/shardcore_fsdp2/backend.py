@@ -92,7 +92,6 @@ class FSDP2Backend(
         self._mesh_group = None
         self._mesh_shape: tuple[int, int, int] | None = None
         self._root_mesh = None  # where tp_size > 1: (dp_replicate, dp_shard, tp), whose slices the others are
-        self._tp_mesh = None
         self._checkpoint_group = None  # async saves' own gloo group, made at the first one
         self._staging = snapshot.Staging()  # their CPU copies, reused from one save to the next
 
@@ -284,7 +283,7 @@ class FSDP2Backend(
         (``dp_replicate_size`` > 1) 2-D ``("dp_replicate", "dp_shard")``: parameters sharded within
         each replica group of ``dp_shard_size`` ranks, gradients all-reduced across the replicas.
         With ``tp_size`` > 1 both are slices of one root mesh ``("dp_replicate", "dp_shard", "tp")``
-        whose innermost dim (neighbouring ranks) is tensor parallelism's (``self._tp_mesh``)."""
+        whose innermost dim (neighbouring ranks) is tensor parallelism's (:attr:`_tp_mesh`)."""
         from torch.distributed.device_mesh import init_device_mesh
 
         ensure_process_group(config.timeout, devices.requested(config.use_cpu), "timeout" in config.non_default_keys())
@@ -306,10 +305,10 @@ class FSDP2Backend(
             # is sharded under FakeTensorMode (shardcore plan), where its rank list cannot be read
             with unset_fake_temporarily():
                 replicas, shards, tp = shape
-                self._root_mesh = self._tp_mesh = None
+                self._root_mesh = None
                 if tp > 1:
                     root = init_device_mesh(device_type, shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
-                    self._root_mesh, self._tp_mesh = root, root["tp"]
+                    self._root_mesh = root
                     self._mesh = root["dp_shard"] if replicas == 1 else root["dp_replicate", "dp_shard"]
                 elif replicas == 1:
                     self._mesh = init_device_mesh(device_type, (shards,), mesh_dim_names=("fsdp",))
@@ -320,6 +319,11 @@ class FSDP2Backend(
     def root_mesh(self, config: ShardConfig):
         self.mesh(config)
         return self._root_mesh
+
+    @property
+    def _tp_mesh(self):
+        """The root mesh's innermost dim: tensor parallelism's groups (None without it)."""
+        return self._root_mesh["tp"] if self._root_mesh is not None else None
 
     def local_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This data-parallel group's contiguous slice of a global batch: with tensor parallelism

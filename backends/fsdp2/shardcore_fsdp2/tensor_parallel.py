@@ -53,14 +53,14 @@ def _shared_input(colwise: type) -> type:
             # and needs no sharing, since backward follows the first forward's graph.
             if shared is None or torch.compiler.is_compiling() or torch._C._current_graph_task_id() != -1:
                 return colwise._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
+            # the entry holds the input, so its id names no other tensor while the entry lives
             key = (id(inputs[0]), device_mesh, tuple(input_layouts), tuple(desired_input_layouts))
             hit = shared.get(key)
-            if hit is None or hit[0] is not inputs[0]:
-                hit = (
+            if hit is None:
+                hit = shared[key] = (
                     inputs[0],
                     colwise._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh),
                 )
-                shared[key] = hit
             return hit[1]
 
     return SharedInputColwise

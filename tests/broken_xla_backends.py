@@ -188,3 +188,52 @@ class IgnoresSpmd(XlaFsdpBackend):
 
     def _wrap(self, model, plan, config):
         return super()._wrap(model, plan, _without(config, xla_fsdp_v2=False))
+
+
+class _TensorParallelAs(SpmdBackend):
+    """SPMD with tensor parallelism whose plan is replaced by :meth:`plan_for` (None: no split)."""
+
+    def plan_for(self, model, plan, config):
+        raise NotImplementedError
+
+    def _wrap(self, model, plan, config):
+        import dataclasses
+
+        return super()._wrap(model, dataclasses.replace(plan, tp=self.plan_for(model, plan, config)), config)
+
+
+class SpmdIgnoresTensorParallel(SpmdBackend):
+    """SPMD that accepts ``tp_size`` and shards over every device as one data-parallel group: the
+    same numbers (each device computes its own rows), no weight split over a tensor axis."""
+
+    name = "xla-broken-ignores-tp"
+
+    def _wrap(self, model, plan, config):
+        import dataclasses
+
+        return super()._wrap(model, dataclasses.replace(plan, tp=None), _without(config, tp_size=1, tp_plan=None))
+
+
+class SpmdSplitsRowwiseColwise(_TensorParallelAs):
+    """SPMD that marks rowwise weights as colwise ones (their output dim on ``tensor``): the same
+    numbers (the partitioner makes any split compute right), the other dim of each weight split."""
+
+    name = "xla-broken-rowwise-as-colwise"
+
+    def plan_for(self, model, plan, config):
+        import dataclasses
+
+        styles = tuple((n, "colwise" if s.startswith("rowwise") else s) for n, s in plan.tp.styles)
+        return dataclasses.replace(plan.tp, styles=styles)
+
+
+class SpmdIgnoresTpPlan(_TensorParallelAs):
+    """SPMD that accepts ``tp_plan`` and splits by the model's own plan: the same numbers, other
+    weights split."""
+
+    name = "xla-broken-ignores-tp-plan"
+
+    def plan_for(self, model, plan, config):
+        from shardcore.tp import build_tp_plan
+
+        return build_tp_plan(model, _without(config, tp_plan=None))

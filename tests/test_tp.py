@@ -229,13 +229,30 @@ def test_fsdp2_declares_tensor_parallelism():
 
 
 @pytest.mark.xla
-def test_the_xla_backends_refuse_tp_by_name():
+def test_xla_fsdp_refuses_tp_by_name_and_spmd_takes_it():
     from shardcore.backend import resolve_backend
 
-    for cfg in ({"xla": True, "tp_size": 2}, {"xla": True, "xla_fsdp_v2": True, "tp_size": 2}):
-        with pytest.raises(shardcore.UnsupportedKeyError, match="Use the fsdp2 backend for tensor parallelism") as e:
-            resolve_backend(parse_config(cfg), None)
-        assert e.value.key == "tp_size"
+    with pytest.raises(shardcore.UnsupportedKeyError, match="Set xla_fsdp_v2: true for tensor parallelism") as e:
+        resolve_backend(parse_config({"xla": True, "tp_size": 2}), None)
+    assert e.value.key == "tp_size"
+    spmd = resolve_backend(parse_config({"xla": True, "xla_fsdp_v2": True, "tp_size": 2}), None)
+    assert {"tp_size", "tp_plan"} <= spmd.supported_keys and isinstance(spmd, TensorParallel)
+    from shardcore_conformance.cases import matrix_for
+
+    for devices, tag in ((2, "tp2"), (4, "dp2-tp2")):
+        tp = {c.name: c for c in matrix_for("xla", devices) if c.family == "tp"}
+        assert {f"{tag}-llama", f"{tag}-qwen2", f"{tag}-llama-plan", f"{tag}-llama-gc1"} <= set(tp), sorted(tp)
+        assert all(c.config["xla_fsdp_v2"] and c.config["tp_size"] == 2 for c in tp.values())
+
+
+@pytest.mark.xla
+def test_spmd_marks_a_split_dim_on_tensor_and_another_on_fsdp():
+    from shardcore_xla.spmd import tp_spec
+
+    assert tp_spec((64, 16), 0) == ("tensor", "fsdp")  # colwise: output features split
+    assert tp_spec((16, 64), 1) == ("fsdp", "tensor")  # rowwise: input features split
+    assert tp_spec((64,), 0) == (("tensor", "fsdp"),)  # a colwise bias: each tp slice sharded again
+    assert tp_spec((96, 16), 0) == ("tensor", "fsdp")  # the vocabulary of an embedding
 
 
 def test_the_matrix_has_a_tp_family_at_two_and_four_ranks():

@@ -367,7 +367,8 @@ def test_trainer_with_tensor_parallelism_matches_the_plain_trainer_and_resumes(t
     ranks: each step's logged loss and gradient norm (before clipping, so a gradient scaled by the
     tp size would show), the final parameters, the evaluation loss and the predicted logits are the
     plain Trainer's on one process; resumed from the middle SHARDED checkpoint it ends where the
-    uninterrupted run did; its FULL export loads with from_pretrained."""
+    uninterrupted run did; its FULL export loads with from_pretrained. Then the same against SPMD with
+    ``ParallelismConfig(tp_size=2)`` on 2 CPU PJRT devices."""
     ref = tmp_path / "ref.safetensors"
     out = harness.python(harness.worker("trainer_fsdp2"), "reference", str(ref), "llama_tp", timeout=300)
     assert out.returncode == 0, harness.tail(out.stdout, out.stderr)
@@ -376,11 +377,21 @@ def test_trainer_with_tensor_parallelism_matches_the_plain_trainer_and_resumes(t
     report_path = tmp_path / "report.json"
     out = harness.ranks(4, harness.worker("trainer_fsdp2"), "tp", str(report_path), timeout=420)
     assert out.returncode == 0, harness.tail(out.stdout, out.stderr)
-    report = json.loads(report_path.read_text())
+    _check_tp_trainer(json.loads(report_path.read_text()), reference, ref_eval, ref_log, "fsdp2", processes=2)
+    # SPMD on 2 CPU devices, tp_size 2: one process, which the Trainer's sizes count as its tp group
+    pytest.importorskip("torch_xla")
+    spmd = tmp_path / "spmd" / "report.json"
+    spmd.parent.mkdir()
+    out = harness.python(harness.worker("trainer_xla"), "tp", str(spmd), env=harness.xla_env(2), timeout=420)
+    assert out.returncode == 0, harness.tail(out.stdout, out.stderr)
+    _check_tp_trainer(json.loads(spmd.read_text()), reference, ref_eval, ref_log, "spmd", processes=1)
+
+
+def _check_tp_trainer(report, reference, ref_eval, ref_log, backend: str, processes: int) -> None:
     straight = load_file(report["straight"]["params"])
     for name in ("straight", "resumed"):
         run = report[name]
-        assert run["tp_size"] == 2
+        assert run["tp_size"] == 2 and run.get("tp_processes", processes) == processes, (backend, run)
         for key in ("losses", "grad_norms"):
             for a, b in zip(run[key], ref_log[key], strict=True):
                 assert abs(a - b) <= LOSS_ATOL + LOSS_RTOL * abs(b), (name, key, run[key], ref_log[key])
@@ -391,7 +402,8 @@ def test_trainer_with_tensor_parallelism_matches_the_plain_trainer_and_resumes(t
         assert got["logits"].shape == ref_eval["logits"].shape, (got["logits"].shape, ref_eval["logits"].shape)
         logits_diff = float((got["logits"] - ref_eval["logits"]).abs().max())
         print(
-            f"tp {name}: max |param diff| {diff:.3e}; |eval_loss diff| {eval_diff:.3e}; max |logits diff| {logits_diff:.3e}"
+            f"tp {backend} {name}: max |param diff| {diff:.3e}; |eval_loss diff| {eval_diff:.3e}; "
+            f"max |logits diff| {logits_diff:.3e}"
         )
         assert diff <= PARAM_ATOL and logits_diff <= OUTPUT_ATOL, (name, diff, logits_diff)
         assert eval_diff <= LOSS_ATOL + LOSS_RTOL * abs(float(ref_eval["eval_loss"])), (name, eval_diff)

@@ -99,9 +99,10 @@ def resume_chain(tmp_path_factory):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("mode", ["fsdp", "spmd"])
+@pytest.mark.parametrize("mode", ["fsdp", "spmd", "spmd-tp"])
 def test_sharded_checkpoint_resumes_at_other_device_counts(resume_chain, mode):
-    """Each load gives back exactly the parameters and AdamW state the previous run saved."""
+    """Each load gives back exactly the parameters and AdamW state the previous run saved. SPMD with
+    tensor parallelism (``spmd-tp``): tp 2 on 2 devices, dp 2 x tp 2 on 4, then one device."""
     root = resume_chain(mode)
     for previous, devices in ((2, 4), (4, 1)):
         saved = load_file(str(root / f"{previous}dev" / "saved.safetensors"))

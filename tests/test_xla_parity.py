@@ -35,10 +35,39 @@ def test_spmd_fsdpv2_parity_on_2_cpu_devices():
         Case("xla-spmd-two-outputs-gc", "mlp_two_outputs", {**V2, "xla_fsdp_grad_ckpt": True}),
         Case("xla-spmd-sharded-checkpoint", "llama", {**V2, "state_dict_type": "SHARDED_STATE_DICT"}),
     ]
-    result = run_suite(cases, "xla", world_size=2, case_timeout=300)
+    tp = _tp_cases(2, SPMD_TP_CASES_2)  # the tp family's cases with their own programs to compile
+    result = run_suite(cases + tp, "xla", world_size=2, case_timeout=300)
     _assert_ok(result)
     # read from the partitioned program, and checked against what the config forces
     assert all(v.comm_pattern == "spmd" and v.comm_checked and v.comm["all_gather"]["count"] for v in result.verdicts)
+    _assert_tensor_parallel(result, tp)
+
+
+#: the SPMD ``tp`` family's cases CI runs (``shardcore-conformance --backend xla`` runs all of them):
+#: each model and plan once, and a SHARDED resume; XLA:CPU compiles each program of a 2-D mesh in
+#: about 8 s here
+SPMD_TP_CASES_2 = "tp2-llama,tp2-qwen2,tp2-llama-plan,tp2-llama-sharded_state_dict"
+SPMD_TP_CASES_4 = "dp2-tp2-llama,hsdp2x1-tp2-llama"
+
+
+def _tp_cases(devices: int, pattern: str) -> list:
+    from shardcore_conformance.cases import matrix_for, select
+
+    cases = select(matrix_for("xla", devices), pattern)
+    assert [c.name for c in cases] == pattern.split(",") and all(c.config["xla_fsdp_v2"] for c in cases)
+    return cases
+
+
+def _assert_tensor_parallel(result, tp: list) -> None:
+    """Each tp case's weights split as its plan says (the placement check passed and saw splits),
+    with the partial sums of the rowwise layers all-reduced over the tensor axis."""
+    names = {c.name for c in tp}
+    for v in result.verdicts:
+        if v.case in names:
+            split = result.sharded[v.case]["placement"]["ranks"][0]["tp_split"]
+            assert split["model.layers.0.self_attn.o_proj.weight"] == 1, (v.case, split)
+            assert split["model.layers.0.mlp.gate_proj.weight"] == 0, (v.case, split)
+            assert {"tp_size", "tp_plan"} & set(v.observed.get("placement", ())), (v.case, v.observed)
 
 
 def _xla_fsdp_cases() -> list:
@@ -157,9 +186,12 @@ def _hsdp_cases(pattern: str) -> list[Case]:
 @pytest.mark.multiprocess
 def test_spmd_hsdp_conformance_on_4_cpu_devices():
     """2 replicas x 2 shards and 4 x 1 under SPMD, each replica on its own rows, against one device."""
-    cases = _hsdp_cases("hsdp*")
+    cases = [c for c in _hsdp_cases("hsdp*") if c.family != "tp"]
     assert [c.name for c in cases] == HSDP_CASES.split(",") and all(c.config["xla_fsdp_v2"] for c in cases)
-    _assert_ok(run_suite(cases, "xla", world_size=4, case_timeout=300))
+    tp = _tp_cases(4, SPMD_TP_CASES_4)  # and tensor parallelism under both
+    result = run_suite(cases + tp, "xla", world_size=4, case_timeout=300)
+    _assert_ok(result)
+    _assert_tensor_parallel(result, tp)
 
 
 @pytest.mark.multiprocess
@@ -235,6 +267,37 @@ def test_a_backend_that_ignores_a_key_fails_the_check_that_observes_it(backend, 
         assert not v.ok and v.reasons[0].startswith(check) and key in v.reasons[0], (v.case, v.reasons)
         if "resuming" not in check:  # nothing else differed
             assert len(v.reasons) == 1 and v.max_param_diff <= v.tolerance["param_atol"], (v.case, v.reasons)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "backend, case, reason",
+    [
+        # every device one data-parallel group: the batch over all of them, no weight split
+        ("SpmdIgnoresTensorParallel", "tp2-llama", "the batch is not split as 1 data-parallel x 2 tensor devices need"),
+        # rowwise weights marked along their output dim
+        (
+            "SpmdSplitsRowwiseColwise",
+            "tp2-llama",
+            "tensor parallelism: rank 0's model.layers.0.mlp.down_proj.weight is split along dim 0 over the tp mesh "
+            "dim; the plan (tp_size 2) has it split along dim 1",
+        ),
+        # the model's own plan split where the case's tp_plan says otherwise
+        (
+            "SpmdIgnoresTpPlan",
+            "tp2-llama-plan",
+            "tensor parallelism: rank 0's model.embed_tokens.weight is split along dim 0 over the tp mesh dim; the "
+            "plan (tp_size 2) has it not split",
+        ),
+    ],
+)
+def test_spmd_that_gets_tensor_parallelism_wrong_fails_the_placement_check(backend, case, reason):
+    """Numbers right, weights split wrong (or not at all): the placement check reads each weight's
+    split from its shards on devices 0 and 1, neighbours on the tensor axis."""
+    result = run_suite(_tp_cases(2, case), f"broken_xla_backends:{backend}", world_size=2, case_timeout=300)
+    (v,) = result.verdicts
+    assert not v.ok and v.max_param_diff <= v.tolerance["param_atol"], (v.reasons, v.max_param_diff)
+    assert any(r.startswith(reason) for r in v.reasons), v.reasons
 
 
 # --------------------------------------------------------------- LoRA (PEFT) on both XLA modes

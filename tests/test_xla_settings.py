@@ -214,9 +214,13 @@ def test_matrix_leaves_out_only_what_the_backend_refuses(monkeypatch):
     hsdp = [c for c in two if c.family == "hsdp"]
     assert hsdp and all(c.config["xla_fsdp_v2"] for c in hsdp) and not [c for c in hsdp if "reshard0" in c.name]
 
-    # the same cases on every device count and device type, but for the HSDP shapes, which follow the world
+    # the same cases on every device count and device type, but for the HSDP and TP shapes, which
+    # follow the world (TP needs pairs of devices), and whose TP cases are SPMD's
     def names(cases):
-        return [c.name for c in cases if c.family != "hsdp"]
+        return [c.name for c in cases if c.family not in ("hsdp", "tp")]
+
+    assert all(c.config["xla_fsdp_v2"] for c in two + four if c.family == "tp")
+    assert [c for c in four if c.family == "tp"] and not [c for c in matrix_for("xla", 1) if c.family == "tp"]
 
     assert names(matrix_for("xla", 1)) == names(two) == names(matrix_for("xla", 4))
     monkeypatch.setenv("PJRT_DEVICE", "TPU")

@@ -448,8 +448,8 @@ TP_PLAN = {
 def _tp_cases(add: Any, backend: Any, keys: frozenset[str], world_size: int, clips: bool) -> None:
     """Tensor parallelism over pairs of ranks (``tp_size`` 2): pure TP on 2 ranks (``tp2-``), TP
     under FSDP on more (``dp2-tp2-`` on 4: dp_shard 2 x tp 2; ``hsdp2x1-tp2-``: 2 replicas x tp 2).
-    Llama (its own plan, GQA) and Qwen2 (its own plan, biased q/k/v, tied embeddings split along
-    the vocabulary), each with the structural knobs, accumulation, clipping, resume in both
+    On XLA the cases are SPMD's (``xla_fsdp_v2``). Llama (its own plan, GQA) and Qwen2 (its own
+    plan, biased q/k/v, tied embeddings split along the vocabulary), each with the structural knobs, accumulation, clipping, resume in both
     checkpoint formats, and rank 0's weights or each rank's slices of a FULL checkpoint
     (``cpu_ram_efficient_loading``). Besides the numbers, the placement check holds every weight to the plan's
     split on the ``tp`` mesh dim and the communication check counts TP's collectives.
@@ -457,12 +457,14 @@ def _tp_cases(add: Any, backend: Any, keys: frozenset[str], world_size: int, cli
     which the single-device bf16 reference does not do; docs/tensor_parallel.md.)"""
     dp = world_size // 2
     tag = "tp2" if dp == 1 else f"dp{dp}-tp2"
-    tp = {"tp_size": 2}
+    # on XLA, SPMD is the mode with a tensor axis (XLA FSDP refuses tp_size)
+    tp = {"tp_size": 2, **({"xla_fsdp_v2": True} if "xla_fsdp_v2" in keys else {})}
     add(f"{tag}-llama", "llama_tp", tp, family="tp")
     add(f"{tag}-qwen2", "qwen2_tp", tp, family="tp")
     add(f"{tag}-llama-plan", "llama_tp", {**tp, "tp_plan": TP_PLAN}, family="tp")
-    if "activation_checkpointing" in keys:
-        add(f"{tag}-llama-ac1", "llama_tp", {**tp, "activation_checkpointing": True}, family="tp")
+    for ckpt in ("activation_checkpointing", "xla_fsdp_grad_ckpt"):
+        if ckpt in keys:
+            add(f"{tag}-llama-{'ac1' if ckpt[0] == 'a' else 'gc1'}", "llama_tp", {**tp, ckpt: True}, family="tp")
     if "reshard_after_forward" in keys:
         add(f"{tag}-llama-reshard0", "llama_tp", {**tp, "reshard_after_forward": False}, family="tp")
     add(f"{tag}-grad_accum-llama", "llama_tp", tp, grad_accum=2, family="tp")

@@ -85,6 +85,37 @@ def versions() -> dict[str, str]:
 _TILES = re.compile(r"devices=\[([\d,]+)\]")
 
 
+def _spmd_batch_problem(specs: list[str], n: int, tp: int) -> str | None:
+    """Under SPMD one global batch is split along dim 0 over the data-parallel devices, ``n / tp`` of
+    them, and each split is replicated over the ``tp`` devices of one tensor-parallel group."""
+    dp = n // tp
+    for spec in specs:
+        tiles = _TILES.search(spec)
+        dims = [int(d) for d in tiles.group(1).split(",")] if tiles else []
+        replicated = "last_tile_dim_replicate" in spec
+        if tp == 1:
+            ok = bool(dims) and dims[0] == n and not replicated
+        elif dp == 1:
+            ok = spec == "{replicated}" or (bool(dims) and dims[0] == 1 and replicated)
+        else:
+            ok = bool(dims) and dims[0] == dp and replicated and dims[-1] == tp
+        if not ok:
+            if tp == 1:
+                want = f"dim 0 over all {n}"
+            elif dp == 1:
+                want = f"replicated over the {tp} devices of the one tensor-parallel group"
+            else:
+                want = f"dim 0 over the {dp} data-parallel groups, replicated over the {tp} devices of each"
+            if tp == 1:
+                what = f"not split over the {n} devices"
+                why = f"SPMD splits one global batch; every device computing the same rows trains right, {n}x slower"
+            else:
+                what = f"not split as {dp} data-parallel x {tp} tensor devices need"
+                why = f"tp_size is {tp}: the devices of one tensor group compute the same rows with their slices of the weights"
+            return f"the batch is {what}: its sharding is {spec or 'none'}, expected {want} (xla_fsdp_v2 is set: {why})"
+    return None
+
+
 def placement_problems(placement: dict[str, Any], config: Any, spmd: bool) -> list[str]:
     """Where a case's tensors lived on each rank against the device type requested:
 
@@ -119,16 +150,9 @@ def placement_problems(placement: dict[str, Any], config: Any, spmd: bool) -> li
             problems.append(f"ran on another device than requested: rank {rank}'s " + "; ".join(wrong) + why)
         n = placement.get("devices", 1)
         if spmd and n > 1:
-            for spec in p.get("batch_sharding", []):
-                tiles = _TILES.search(spec)
-                dims = [int(d) for d in tiles.group(1).split(",")] if tiles else []
-                if not dims or dims[0] != n or "last_tile_dim_replicate" in spec:
-                    problems.append(
-                        f"the batch is not split over the {n} devices: its sharding is {spec or 'none'}, expected dim 0 "
-                        f"over all {n} (xla_fsdp_v2 is set: SPMD splits one global batch; every device computing "
-                        f"the same rows trains right, {n}x slower)"
-                    )
-                    break
+            problem = _spmd_batch_problem(p.get("batch_sharding", []), n, getattr(config, "tp_size", 1))
+            if problem:
+                problems.append(problem)
         if problems:
             return problems[:1]
     return problems

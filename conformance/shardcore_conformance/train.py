@@ -196,7 +196,7 @@ def run_case(case: Case, backend: Any | None, rank: int = 0) -> dict[str, Any]:
         if recorder is not None:
             recorder.after_backward(model)
         if placement is not None and "params" not in placement:
-            placement.update(_model_placement(model))
+            placement.update(_model_placement(model, _serving(backend, case)))
         gsq = global_grad_sq_sum(runtime, model, step_loss.device)
         clip_norm = _clip(case, model, backend)
         lrs.append(float(opt.param_groups[0]["lr"]))
@@ -357,7 +357,7 @@ def _placement_of(batch: dict[str, torch.Tensor], loss: torch.Tensor) -> dict[st
     return out
 
 
-def _model_placement(model: nn.Module) -> dict[str, Any]:
+def _model_placement(model: nn.Module, backend: Any = None) -> dict[str, Any]:
     """Where this rank's parameters and gradients lived (a DTensor's local shard)."""
 
     def local(t: torch.Tensor) -> torch.Tensor:
@@ -368,7 +368,18 @@ def _model_placement(model: nn.Module) -> dict[str, Any]:
         "params": _types(local(p) for p in params),
         "grads": _types(local(p.grad) for p in params if p.grad is not None),
     }
-    split = {n: d for n, p in model.named_parameters() if (d := _tp_split(p)) is not None}
+    # under the model's own names, where the backend's wrappers renamed them
+    # under the model's own names, where the backend's wrappers renamed them (a tied weight under
+    # the name it is tied to, as named_parameters gives it)
+    names, ties = getattr(backend, "original_names", None), getattr(backend, "tied_aliases", None)
+    original = names(model) if names is not None else {}
+    aliases = ties(model) if ties is not None else {}
+    split = {}
+    for n, p in model.named_parameters():
+        d = _xla_tp_split(p) if p.device.type == "xla" else _tp_split(p)
+        if d is not None:
+            name = original.get(n, [n])[0]
+            split[aliases.get(name, name)] = d
     if split:  # tensor parallelism: which dim of each weight the tp ranks split
         out["tp_split"] = split
     return out
@@ -382,6 +393,33 @@ def _tp_split(p: torch.Tensor) -> int | None:
         return None
     placement = p.placements[names.index("tp")]
     return placement.dim if placement.is_shard() else None
+
+
+def _serving(backend: Any, case: Case) -> Any:
+    """The implementation that serves ``case`` where ``backend`` is a name for several."""
+    if backend is None:
+        return None
+    import shardcore
+    from shardcore.backend import for_config, get_backend
+
+    named = get_backend(backend) if isinstance(backend, str) else backend
+    return for_config(named, shardcore.parse_config(case.config))
+
+
+def _xla_tp_split(p: torch.Tensor) -> int | None:
+    """SPMD: the dim of ``p`` along which device 0 and device 1 hold different parts. The devices of
+    one tensor-parallel group are neighbours (``tensor`` is the innermost mesh axis, as FSDP2's
+    ``tp``), so that is the dim the group splits; None: they hold the same part, or one process does
+    not hold both devices."""
+    import torch_xla
+
+    if "devices=" not in torch_xla._XLAC._get_xla_sharding_spec(p):
+        return None
+    where = torch_xla._XLAC._get_local_shard_replica_and_indices([p])[0]
+    if len(where) < 2 or where[0][1] is Ellipsis or where[1][1] is Ellipsis:
+        return None
+    differ = [i for i, (a, b) in enumerate(zip(where[0][1], where[1][1])) if (a.start, a.stop) != (b.start, b.stop)]
+    return differ[0] if len(differ) == 1 else None
 
 
 def _device_count(runtime: Any) -> int:

@@ -232,24 +232,59 @@ class Floor:
 
 @dataclass(frozen=True)
 class SpmdExpectation:
-    """What SPMD's communication must show on a mesh of ``replicas`` x ``shards`` devices, device
-    ``d`` at row ``d // shards`` (its replica) and column ``d % shards`` (its shard):
-    :func:`expected_spmd`."""
+    """What SPMD's communication must show on a mesh of ``replicas`` x ``shards`` x ``tp`` devices,
+    ``tensor`` innermost: device ``d`` at replica ``d // (shards * tp)``, shard ``d // tp % shards``
+    and tensor slice ``d % tp`` (:func:`expected_spmd`)."""
 
     replicas: int
     shards: int
     floors: tuple[Floor, ...]
+    tp: int = 1
+
+    def axes_of(self, group: list[int]) -> frozenset[str] | None:
+        """The mesh axes ``group`` (a replica group's devices) runs along: those whose coordinate
+        differs within it, when it is every device that differs from its first only there; None when
+        it is no such group."""
+        sizes = {"replicate": self.replicas, "fsdp": self.shards, "tensor": self.tp}
+
+        def coords(d: int) -> dict[str, int]:
+            return {
+                "replicate": d // (self.shards * self.tp),
+                "fsdp": d // self.tp % self.shards,
+                "tensor": d % self.tp,
+            }
+
+        if not group:
+            return None
+        first = coords(group[0])
+        varying = frozenset(a for a in sizes if any(coords(d)[a] != first[a] for d in group))
+        size = math.prod(sizes[a] for a in varying)
+        if len(set(group)) != len(group) or len(group) != size:
+            return None
+        if any(coords(d)[a] != first[a] for d in group for a in sizes if a not in varying):
+            return None
+        return varying
 
     def axis(self, group: list[int]) -> str | None:
-        """Which axis of the mesh ``group`` (a replica group's devices) runs along; None: none."""
-        r, s = self.replicas, self.shards
-        if sorted(group) == list(range(r * s)):
+        """Which axis of the mesh ``group`` runs along: ``fsdp``, ``replicate``, ``tensor``, two of
+        them joined by ``+``, ``all``; None: none."""
+        axes = self.axes_of(group)
+        if axes is None:
+            return None
+        real = {a for a, n in (("replicate", self.replicas), ("fsdp", self.shards), ("tensor", self.tp)) if n > 1}
+        if axes == real and len(real) > 1:
             return "all"
-        if len(group) == s and len({d // s for d in group}) == 1:
-            return "fsdp"
-        if len(group) == r and len({d % s for d in group}) == 1:
-            return "replicate"
-        return None
+        return "+".join(a for a in ("replicate", "fsdp", "tensor") if a in axes) or None
+
+    def _along(self, group: list[int], axes: tuple[str, ...]) -> bool:
+        """Whether ``group`` runs along one of ``axes`` (``all``: every device), alone or with others."""
+        have = self.axes_of(group)
+        return have is not None and any(a == "all" and self.axis(group) == "all" or a in have for a in axes)
+
+    def _shape(self) -> str:
+        if self.tp > 1:
+            return f"{self.replicas} x {self.shards} x {self.tp} mesh (replicate x fsdp x tensor)"
+        return f"{self.replicas} x {self.shards} mesh (replicate x fsdp)"
 
     def check(self, observed: list[list[dict[str, Any]]]) -> list[str]:
         """Mismatches of every step (one program runs on every device: rank 0 holds it) against the
@@ -260,10 +295,10 @@ class SpmdExpectation:
                 if odd:
                     return [
                         f"communication differs at step {i}: {kind} over devices {odd[0]}, which is no axis of the "
-                        f"{self.replicas} x {self.shards} mesh (replicate x fsdp)"
+                        f"{self._shape()}"
                     ]
             for f in self.floors:
-                if not any(self.axis(g) in f.axes for k in f.kinds for g in step[k]["groups"]):
+                if not any(self._along(g, f.axes) for k in f.kinds for g in step[k]["groups"]):
                     seen = "; ".join(f"{step[k]['count']} {k} over {step[k]['groups'] or 'no group'}" for k in f.kinds)
                     return [
                         f"communication differs at step {i}: no {' or '.join(f.kinds)} along "
@@ -283,18 +318,31 @@ def expected_spmd(units: list[dict[str, Any]], config: Any, devices: int, grad_a
       batch: an all-reduce or reduce-scatter along ``fsdp`` (or all devices), and with HSDP one
       across replicas too. A run whose devices each computed the whole batch needs none, and is
       right at 1 / devices the speed;
-    - every collective runs along an axis of the mesh."""
+    - with ``tp_size`` > 1 and a rowwise layer in the plan, an all-reduce (or reduce-scatter) along
+      ``tensor`` sums that layer's partial products;
+    - every collective runs along an axis of the mesh, or along several of them."""
     from shardcore.validate import data_parallel_shape
 
     replicas, shards = data_parallel_shape(config, devices)
+    tp = getattr(config, "tp_size", 1)
     floors = []
     if shards > 1 and any(u["params"] for u in units):
         floors.append(Floor(("all_gather",), ("fsdp", "all"), f"the parameters are sharded over {shards} devices"))
     if any(u["with_grad"] for u in units):
         reduce = ("all_reduce", "reduce_scatter")
-        why = "the batch is sharded over every device, so each gradient is a sum over "
+        why = "the batch is sharded over every data-parallel device, so each gradient is a sum over "
         if shards > 1:
             floors.append(Floor(reduce, ("fsdp", "all"), why + f"the {shards} shards"))
         if replicas > 1:
             floors.append(Floor(reduce, ("replicate", "all"), why + f"the {replicas} replicas"))
-    return SpmdExpectation(replicas, shards, tuple(floors))
+    rows = [m["name"] for u in units for m in u.get("tp_modules", []) if m["style"].startswith("rowwise")]
+    if tp > 1 and rows:
+        floors.append(
+            Floor(
+                ("all_reduce", "reduce_scatter"),
+                ("tensor",),
+                f"{rows[0]} is split along its input features over the {tp} tensor devices (rowwise), so its "
+                "output is a sum of their partial products",
+            )
+        )
+    return SpmdExpectation(replicas, shards, tuple(floors), tp)

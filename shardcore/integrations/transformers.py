@@ -306,7 +306,7 @@ class ShardcoreTrainerMixin:
         # accelerate's no_sync looks for model.no_sync, which a sharded model does not have (FSDP2):
         # every micro-batch would reduce. This instance's accelerator only.
         self.accelerator.no_sync = _shardcore_no_sync
-        if self._shardcore_config.tp_size > 1:
+        if self._shardcore_tp_processes() > 1:
             self._shardcore_tensor_parallel()
         if self._shardcore_on_xla:
             # accelerate gathers with torch_xla's all_gather, a collective inside the lazy graph that
@@ -360,8 +360,14 @@ class ShardcoreTrainerMixin:
         # the Trainer asks the model (transformers' own TP) or accelerate's parallelism config, which
         # shardcore keeps from accelerate: its token counts and batch sizes must know the tp groups
         if self._shardcore_config is not None:
-            return self._shardcore_config.tp_size
+            return self._shardcore_tp_processes()
         return super().get_tp_size()
+
+    def _shardcore_tp_processes(self) -> int:
+        """Processes in one tensor-parallel group: ``tp_size``, except under SPMD, where one process
+        drives every device and reads the whole batch (the Trainer's sizes count processes)."""
+        config = self._shardcore_config
+        return 1 if self._shardcore_on_xla and config.xla_fsdp_v2 else config.tp_size
 
     def _build_accelerator_args(self, **kwargs) -> dict[str, Any]:
         out = super()._build_accelerator_args(**kwargs)

@@ -3,7 +3,8 @@ and running a scenario once per device thread (XLA FSDP on several devices) or o
 device) with rank 0 printing the JSON the test reads.
 
 MODE, the first argument of every XLA worker, is "spmd" (xla_fsdp_v2) or "fsdp"
-(XlaFullyShardedDataParallel). PJRT settings are per process, so each worker is one process.
+(XlaFullyShardedDataParallel); "spmd-tp" is SPMD with ``tp_size`` 2 on the Llama of the suite's
+``tp`` cases where there are 2 devices or more. PJRT settings are per process, so each worker is one process.
 """
 
 from __future__ import annotations
@@ -23,19 +24,26 @@ import shardcore
 from shardcore_conformance.models import build_model, loss_fn, make_batches
 
 
+def llama(mode: str) -> str:
+    """The conformance model MODE trains."""
+    return "llama_tp" if mode == "spmd-tp" else "llama"
+
+
 def sharded_llama(mode: str, grad_ckpt: bool = False, hook=None, **extra):
-    cfg = {"xla": True, "xla_fsdp_v2": mode == "spmd", "xla_fsdp_grad_ckpt": grad_ckpt, **extra}
-    model = build_model("llama", 0)
+    cfg = {"xla": True, "xla_fsdp_v2": mode.startswith("spmd"), "xla_fsdp_grad_ckpt": grad_ckpt, **extra}
+    if mode == "spmd-tp" and int(os.environ.get("CPU_NUM_DEVICES", "1")) > 1:
+        cfg["tp_size"] = 2
+    model = build_model(llama(mode), 0)
     if hook is not None:
         model.model.layers[0].mlp.register_forward_hook(hook)
     model = shardcore.shard(model, cfg)
     return model, shardcore.handle(model).backend
 
 
-def train(model, backend, steps: int, after_step=None, opt=None):
+def train(model, backend, steps: int, after_step=None, opt=None, name: str = "llama"):
     opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for i, batch in enumerate(make_batches("llama", steps, 8, 0)):
-        loss = loss_fn("llama", model, backend.local_batch(batch))
+    for i, batch in enumerate(make_batches(name, steps, 8, 0)):
+        loss = loss_fn(name, model, backend.local_batch(batch))
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -9,7 +9,7 @@ import torch
 
 import shardcore
 
-from xla_common import dump, on_devices, sharded_llama, train
+from xla_common import dump, llama, on_devices, sharded_llama, train
 
 
 def scenario(mode: str, kind: str, src: str, out: str, rank: int) -> None:
@@ -18,7 +18,7 @@ def scenario(mode: str, kind: str, src: str, out: str, rank: int) -> None:
     if src != "-":
         shardcore.load(model, src, opt)
     dump(backend, model, opt, f"{out}/loaded.safetensors", rank)
-    train(model, backend, 2, opt=opt)
+    train(model, backend, 2, opt=opt, name=llama(mode))
     shardcore.save(model, f"{out}/ckpt", opt)
     dump(backend, model, opt, f"{out}/saved.safetensors", rank)
 

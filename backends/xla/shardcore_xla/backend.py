@@ -43,7 +43,7 @@ class XLABackend(ConfigResolved, ConfigValidation, Launcher, DeviceLaunch):
 
     name = XlaBackendBase.name
     install_hint = XlaBackendBase.install_hint
-    supported_keys = XlaBackendBase.supported_keys
+    supported_keys = SpmdBackend.supported_keys  # XLA FSDP refuses the tensor-parallel keys itself
     unsupported_reasons = XlaBackendBase.unsupported_reasons
     device_type = XlaBackendBase.device_type
 

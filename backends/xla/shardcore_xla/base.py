@@ -84,13 +84,7 @@ class XlaBackendBase(
         "torch_compile_mode": _no_compile,
         "use_cpu": "XLA runs on the PJRT device of the environment, not on a device shardcore picks: set "
         "PJRT_DEVICE=CPU to run XLA on the CPU.",
-        # XLA FSDP shards each parameter as one flat vector per rank: it has no second mesh dim to
-        # split a weight along; SPMD has one, but shardcore does not mark the tensor dim yet
-        "tp_size": "XLA FSDP (xla_fsdp_v2: false) flattens and shards whole parameters, with no tensor dim to "
-        "split them along, and shardcore's SPMD backend does not split weights across a tensor axis yet. Use the "
-        "fsdp2 backend for tensor parallelism.",
     }
-    unsupported_reasons["tp_plan"] = unsupported_reasons["tp_size"]
 
     @property
     def _ranks(self) -> Ranks:

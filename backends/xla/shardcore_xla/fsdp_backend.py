@@ -31,6 +31,12 @@ class XlaFsdpBackend(XlaBackendBase):
     communication_pattern = "xla_fsdp"
     #: shardcore's fixes for XLA FSDP units that return several tensors (unit_fix.py)
     unit_fixes = True
+    _no_tp = (
+        "XLA FSDP (xla_fsdp_v2: false) flattens each parameter and shards the flat vector: it has no tensor dim "
+        "to split a weight along. Set xla_fsdp_v2: true for tensor parallelism on XLA (SPMD, mesh (fsdp, tensor)), "
+        "or use the fsdp2 backend."
+    )
+    unsupported_reasons = {**XlaBackendBase.unsupported_reasons, "tp_size": _no_tp, "tp_plan": _no_tp}
 
     def __init__(self) -> None:
         # on several CPU devices: the device threads of this process (cpu.py), once a model was validated

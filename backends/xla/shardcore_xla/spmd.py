@@ -4,6 +4,15 @@ The mesh has axes ``("fsdp", "model")``; one process drives all devices, inputs 
 batch on the ``fsdp`` axis, and Hugging Face outputs are sharded the way the Trainer's
 ``shard_output`` does. The units are the plan's, wrapped with XLA FSDP's policy (fsdp.py).
 
+Tensor parallelism (``tp_size`` T > 1): the mesh is ``("fsdp", "tensor")`` of shape (S, T), ``tensor``
+innermost as FSDP2's ``tp`` dim. Each weight of the plan (``WrapPlan.tp``) is marked before FSDPv2
+wraps the model: its split dim on ``tensor`` and its largest other dim on ``fsdp`` (colwise weights
+``("tensor", "fsdp")``, rowwise ``("fsdp", "tensor")``, torchprime's specs), a split bias on both. FSDPv2
+shards only what is not marked yet, so every other parameter is sharded on ``fsdp`` and replicated over
+``tensor``. The batch is split over the data axes only: every device of one ``tensor`` row gets the same
+rows. How a style lays out the activations (gathered output, split input) is the partitioner's choice
+here; the weights' splits are what the plan decides.
+
 Hybrid sharding (``dp_replicate_size`` R > 1): the mesh is ``("replicate", "fsdp")`` of shape (R, S).
 FSDPv2 shards every parameter over ``fsdp`` only, so each replica row of the mesh holds one sharded
 copy, and the batch is sharded along dim 0 over both axes, so each replica gets its own rows. The
@@ -23,12 +32,15 @@ from torch import nn
 from shardcore.config import ShardConfig
 from shardcore.errors import ShardConfigError, ShardcoreError
 from shardcore.plan import WrapPlan
+from shardcore.tp import TPPlan
 from shardcore.validate import data_parallel_shape, has_meta_tensors
 
 from .fsdp import plan_policy, to_device_keeping_ties, unit_wrapper
 
 #: the mesh axis HSDP replicates parameters over; FSDPv2 shards them over ``fsdp``
 REPLICATE = "replicate"
+#: the mesh axis tensor parallelism splits weights over (torchprime's and the Trainer's name)
+TENSOR = "tensor"
 
 
 def check_model(model: nn.Module, config: ShardConfig) -> None:
@@ -61,17 +73,23 @@ def enable() -> None:
         xr.use_spmd()
 
 
-def mesh(existing: Any = None, replicas: int = 1) -> Any:
-    """The process's SPMD mode and its global mesh: every device on ``fsdp``, or, with ``replicas``
-    > 1, ``("replicate", "fsdp")`` of shape (replicas, devices / replicas). ``existing`` if it is
-    that mesh already."""
+def mesh(existing: Any = None, replicas: int = 1, tp: int = 1) -> Any:
+    """The process's SPMD mode and its global mesh: every device on ``fsdp``; with ``replicas`` > 1
+    ``("replicate", "fsdp")`` of shape (replicas, devices / replicas); with ``tp`` > 1 a ``tensor``
+    axis of size ``tp`` after them, innermost. ``existing`` if it is that mesh already."""
     import numpy as np
     import torch_xla.distributed.spmd as xs
     import torch_xla.runtime as xr
 
     enable()
     n = xr.global_runtime_device_count()
-    dims, axes = ((n, 1), ("fsdp", "model")) if replicas == 1 else ((replicas, n // replicas), (REPLICATE, "fsdp"))
+    shards = n // (replicas * tp)
+    if tp == 1:
+        dims, axes = ((n, 1), ("fsdp", "model")) if replicas == 1 else ((replicas, shards), (REPLICATE, "fsdp"))
+    else:
+        dims, axes = (
+            ((shards, tp), ("fsdp", TENSOR)) if replicas == 1 else ((replicas, shards, tp), (REPLICATE, "fsdp", TENSOR))
+        )
     if existing is not None and tuple(existing.mesh_shape) == dims and tuple(existing.axis_names) == axes:
         return existing
     out = xs.Mesh(np.arange(n), dims, axes)
@@ -90,14 +108,45 @@ def wrap(model: nn.Module, plan: WrapPlan, mesh: Any, grad_ckpt: bool, kwargs: d
     import torch_xla
     from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
 
+    model = to_device_keeping_ties(model, torch_xla.device())
+    if plan.tp is not None:
+        mark_tensor_parallel(model, plan.tp, mesh)
     return FSDPv2(
-        to_device_keeping_ties(model, torch_xla.device()),
+        model,
         mesh=mesh,
         shard_output=shard_output,
         auto_wrap_policy=plan_policy(model, plan),
         auto_wrapper_callable=unit_wrapper(FSDPv2, grad_ckpt, fixes=False),
         **kwargs,
     )
+
+
+def tp_spec(shape: tuple[int, ...], dim: int) -> tuple[Any, ...]:
+    """The partition spec of a weight the plan splits along ``dim``: that dim on ``tensor``, the
+    largest other one on ``fsdp`` (FSDPv2's own choice of dim); a vector on both, ``tensor`` first,
+    so that each tensor-parallel slice is then sharded over ``fsdp`` as a whole."""
+    spec: list[Any] = [None] * len(shape)
+    rest = [i for i in range(len(shape)) if i != dim]
+    if rest:
+        spec[dim] = TENSOR
+        spec[max(rest, key=lambda i: shape[i])] = "fsdp"
+    else:
+        spec[dim] = (TENSOR, "fsdp")
+    return tuple(spec)
+
+
+def mark_tensor_parallel(model: nn.Module, tp: TPPlan, mesh: Any) -> None:
+    """Mark every weight of ``tp`` with :func:`tp_spec` (a tied weight once, under its first name)."""
+    import torch_xla.distributed.spmd as xs
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    done: set[int] = set()
+    for name, dim in tp.split_dims().items():
+        p = params.get(name)
+        if p is None or id(p) in done:
+            continue
+        done.add(id(p))
+        xs.mark_sharding(p, mesh, tp_spec(tuple(p.shape), dim))
 
 
 def shard_batch(batch: dict[str, torch.Tensor], mesh: Any) -> dict[str, torch.Tensor]:

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from shardcore.capabilities import LaunchSpec
+from shardcore.capabilities import LaunchSpec, TensorParallel
 from shardcore.config import ShardConfig
 from shardcore.distributed import check_batch_divides
 from shardcore.plan import WrapPlan
@@ -23,12 +23,15 @@ from .base import XlaBackendBase
 from .collectives import Ranks
 
 
-class SpmdBackend(XlaBackendBase):
+class SpmdBackend(XlaBackendBase, TensorParallel):
     #: the SPMD partitioner inserts the collectives when it compiles: not in the graph the suite reads
     communication_pattern = "spmd"
+    #: a ``tensor`` mesh axis to split weights over (spmd.py)
+    supported_keys = XlaBackendBase.supported_keys | {"tp_size", "tp_plan"}
 
     def __init__(self) -> None:
         self._mesh = None  # the global mesh, once a model was sharded
+        self._tp = 1  # the tensor axis of that mesh
 
     @property
     def _ranks(self) -> Ranks:
@@ -48,16 +51,29 @@ class SpmdBackend(XlaBackendBase):
     # -- sharding -----------------------------------------------------------------------------------
     def _wrap(self, model: nn.Module, plan: WrapPlan, config: ShardConfig) -> nn.Module:
         settings.claim_mode(True)
-        self._mesh = spmd.mesh(self._mesh, spmd.shape(config)[0])
+        self._mesh = spmd.mesh(self._mesh, spmd.shape(config)[0], config.tp_size)
+        self._tp = config.tp_size
         return spmd.wrap(model, plan, self._mesh, config.xla_fsdp_grad_ckpt, settings.spmd_kwargs(config))
 
     # -- training loop ----------------------------------------------------------------------------
     def local_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The whole global batch, sharded along dim 0 over the mesh's data axes."""
+        """The whole global batch, sharded along dim 0 over the mesh's data axes (every device of
+        one ``tensor`` row gets the same rows)."""
         import torch_xla.runtime as xr
 
-        check_batch_divides(batch, xr.global_runtime_device_count(), "devices")
+        n = xr.global_runtime_device_count() // self._tp
+        check_batch_divides(
+            batch, n, "devices" if self._tp == 1 else f"data-parallel device groups (tp_size {self._tp})"
+        )
         return spmd.shard_batch(batch, self._mesh)
+
+    def root_mesh(self, config: ShardConfig) -> Any:
+        """The global SPMD mesh (``torch_xla.distributed.spmd.Mesh``, axes ``fsdp`` and ``tensor``,
+        ``replicate`` first under HSDP); None with ``tp_size`` 1. One process holds every device and
+        the whole batch, so no data loader deals rows by it."""
+        if config.tp_size == 1:
+            return None
+        return spmd.mesh(self._mesh, spmd.shape(config)[0], config.tp_size)
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
         """SPMD parameters are global, so torch's own function is right."""

@@ -240,8 +240,8 @@ def _print_fit(args: argparse.Namespace, found: Any, limit: int) -> int:
         "(shardcore.shard takes it as is)"
     )
     print(
-        "ranked by expected speed: no cpu_offload (host transfers) first, then no activation_checkpointing "
-        "(recomputation), then the largest micro-batch, then reshard_after_forward false (fewer all-gathers), then "
+        "ranked by expected speed: no cpu_offload (host transfers) first, then the smallest tp_size (collectives in "
+        "each split layer), then no activation_checkpointing (recomputation), then the largest micro-batch, then reshard_after_forward false (fewer all-gathers), then "
         f"the config's own precision; {len(found.tried)} plans evaluated"
     )
     return 0
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         "--allow",
         default=None,
         help="comma-separated knobs --fit may change (default: all of activation_checkpointing, "
-        "reshard_after_forward, cpu_offload, mixed_precision, batch_size)",
+        "reshard_after_forward, cpu_offload, mixed_precision, batch_size, tp_size)",
     )
     pp.add_argument("--fit-out", default="fit-config.json", help="where --fit writes the config it found")
     pp.add_argument("--json", action="store_true", help="machine-readable output")

@@ -436,7 +436,7 @@ def _xla_plan(
 # ---------------------------------------------------------------------------------- fit
 
 #: the knobs --fit may change, and each one's memory-saving setting
-KNOBS = ("activation_checkpointing", "reshard_after_forward", "cpu_offload", "mixed_precision", "batch_size")
+KNOBS = ("activation_checkpointing", "reshard_after_forward", "cpu_offload", "mixed_precision", "batch_size", "tp_size")
 
 
 @dataclass
@@ -450,10 +450,39 @@ class Fit:
 
 
 def _rank(changes: dict[str, Any]) -> tuple:
-    """Expected speed, best first: no host transfers (cpu_offload), then no recomputation
+    """Expected speed, best first: no host transfers (cpu_offload), then the smallest tensor-parallel
+    group (each TP layer waits on its group's collectives), then no recomputation
     (activation_checkpointing), then the largest micro-batch, then no extra all-gathers
     (reshard_after_forward), then the user's own precision."""
-    return (changes.get("cpu_offload", False), changes.get("activation_checkpointing", False))
+    return (
+        changes.get("cpu_offload", False),
+        changes.get("tp_size", 1),
+        changes.get("activation_checkpointing", False),
+    )
+
+
+def _tp_sizes(build: Callable[[], nn.Module], cfg: ShardConfig, world_size: int) -> list[int]:
+    """The ``tp_size`` values above 1 the model's plan takes at ``world_size``: powers of two that
+    divide it and every split dim (heads, features, vocabulary), smallest first."""
+    from .tp import build_tp_plan
+
+    model, out, t = None, [], 2
+    while t <= world_size:
+        if world_size % t == 0:
+            candidate = cfg.replace(tp_size=t, dp_shard_size=None)
+            try:
+                data_parallel_shape(candidate, world_size)
+                model = model or build()
+                build_tp_plan(model, candidate)
+            except ShardConfigError:
+                pass  # no plan, or a dim t does not divide: neither does any larger t (all powers of two)
+            else:
+                out.append(t)
+                t *= 2
+                continue
+            break
+        t *= 2
+    return out
 
 
 def fit(
@@ -488,6 +517,13 @@ def fit(
     combos = []
     for mask in range(2 ** len(names)):
         combos.append({n: saving[n] for i, n in enumerate(names) if mask >> i & 1})
+    if "tp_size" in allow and cfg.tp_size == 1:
+        # the data-parallel size follows: every rank outside a tp group shards
+        combos += [
+            {**c, "tp_size": t, **({"dp_shard_size": None} if cfg.dp_shard_size else {})}
+            for t in _tp_sizes(build, cfg, world_size)
+            for c in combos
+        ]
     combos.sort(key=lambda c: (_rank(c), "reshard_after_forward" in c, "mixed_precision" in c))
     batches = _batch_sizes(batch_size) if "batch_size" in allow else [batch_size]
     tried: list[dict[str, Any]] = []

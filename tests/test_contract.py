@@ -81,22 +81,19 @@ def test_declared_capabilities_of_the_shipped_backends():
         fsdp, spmd = _implementations(shardcore.get_backend("xla"))
         assert type(fsdp).__name__ == "XlaFsdpBackend" and type(spmd).__name__ == "SpmdBackend"
         assert {c.__name__ for c in declared(spmd)} == {c.__name__ for c in declared(fsdp)} | {"TensorParallel"}
-        assert (
-            {c.__name__ for c in declared(fsdp)}
-            == {
-                "ShardedCheckpoints",
-                "StepEnd",
-                "GradClipping",
-                "GradSyncControl",
-                "Launcher",
-                "DeviceLaunch",
-                "ConfigValidation",
-                "ModelValidation",
-                "CompileCounter",
-                "RenamesParameters",
-                "SlicedLoading",
-            }
-        )
+        assert {c.__name__ for c in declared(fsdp)} == {
+            "ShardedCheckpoints",
+            "StepEnd",
+            "GradClipping",
+            "GradSyncControl",
+            "Launcher",
+            "DeviceLaunch",
+            "ConfigValidation",
+            "ModelValidation",
+            "CompileCounter",
+            "RenamesParameters",
+            "SlicedLoading",
+        }
         # XLA reads FULL checkpoints in slices but shards only models with weights
         assert not fsdp.shards_without_weights(shardcore.parse_config({"xla": True}))
     assert shardcore.get_backend("fsdp2").shards_without_weights(shardcore.parse_config({}))

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import shardcore
 from shardcore.cli import main
@@ -189,6 +190,25 @@ def test_fit_takes_the_fastest_config_that_fits_and_writes_a_file_shard_takes(tm
     argv += ["--allow", "activation_checkpointing"]
     assert main(argv) == 0
     assert shardcore.parse_config(str(out)).activation_checkpointing
+
+
+def test_fit_splits_weights_with_tp_when_recomputation_alone_does_not_fit():
+    """tp_size is searched after activation checkpointing and before cpu_offload, over the sizes the
+    model's plan takes: tiny's 2 KV heads allow tp 2, not 4."""
+    from shardcore.planning import _tp_sizes
+
+    def peak(plan):
+        return max(plan.peak_bytes, plan.first_step_peak_bytes)
+
+    ac = predict(tiny, {"activation_checkpointing": True}, 2, 4, 64)
+    both = predict(tiny, {"activation_checkpointing": True, "tp_size": 2}, 2, 4, 64)
+    limit = (peak(both) + peak(ac)) // 2  # recomputation alone does not fit
+    found = fit(tiny, {}, 2, 4, 64, limit, allow=("activation_checkpointing", "tp_size", "cpu_offload"))
+    assert found.fits and found.config["tp_size"] == 2 and found.config["activation_checkpointing"], found.tried
+    assert not found.config["cpu_offload"] and peak(found.plan) == peak(both)
+    assert [t["changes"].get("tp_size", 1) for t in found.tried][:2] == [1, 1]  # recomputation was tried first
+    assert _tp_sizes(tiny, shardcore.parse_config({}), 8) == [2]
+    assert _tp_sizes(lambda: torch.nn.Sequential(torch.nn.Linear(4, 4)), shardcore.parse_config({}), 8) == []
 
 
 def test_when_nothing_fits_it_names_the_smallest_world_size():

@@ -264,6 +264,7 @@ def _fsdp2_plan(
     with (
         _fake_world(world_size),
         FakeTensorMode(allow_non_fake_inputs=True),
+        _real_meshes(),
         torch.autograd.set_multithreading_enabled(False),
         _unpacked_positions(),
     ):
@@ -291,6 +292,28 @@ def _fsdp2_plan(
                 else:
                     steps.append((parts, None))
     return steps, device, kernels.threads if kernels else None
+
+
+@contextlib.contextmanager
+def _real_meshes() -> Iterator[None]:
+    """Device meshes built out of fake mode. A mesh is a small tensor of ranks, and torch 2.13's
+    ``DeviceMesh`` finds this rank's coordinates in it with ``nonzero``, whose output shape a fake
+    tensor cannot know (``DynamicOutputShapeException``): FSDP2 builds such a mesh for every
+    parameter tensor parallelism split (``DeviceMesh._concatenate``)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    init = DeviceMesh.__init__
+
+    def real_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        with unset_fake_temporarily():
+            init(self, *args, **kwargs)
+
+    DeviceMesh.__init__ = real_init
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = init
 
 
 def _add_workspaces(plan: Plan, threads: Any) -> None:

@@ -391,7 +391,7 @@ def _check_tp_trainer(report, reference, ref_eval, ref_log, backend: str, proces
     straight = load_file(report["straight"]["params"])
     for name in ("straight", "resumed"):
         run = report[name]
-        assert run["tp_size"] == 2 and run.get("tp_processes", processes) == processes, (backend, run)
+        assert run["tp_size"] == 2 and run["tp_processes"] == processes, (backend, run)
         for key in ("losses", "grad_norms"):
             for a, b in zip(run[key], ref_log[key], strict=True):
                 assert abs(a - b) <= LOSS_ATOL + LOSS_RTOL * abs(b), (name, key, run[key], ref_log[key])

@@ -193,29 +193,40 @@ def run_sharded(out: str) -> None:
 
 def run_tp(out: str) -> None:
     """The shardcore Trainer with ``TrainingArguments(parallelism_config=ParallelismConfig(tp_size=2))``:
-    dp_shard world/2 x tp 2 on the Llama with a vocabulary tp splits (its own plan), SHARDED
-    checkpoints, trained straight and resumed from the middle one. Each run: its final FULL export
-    loaded with from_pretrained, its loss log and its evaluation."""
+    dp_shard world/2 x tp 2 (:func:`tp_runs`)."""
+    dp = int(os.environ["WORLD_SIZE"]) // 2
+    # each data-parallel group's rows: both ranks of a tp pair get the same
+    report = tp_runs(Path(out).parent / "tp", dp, GLOBAL // ACCUM // dp, use_cpu=True)
+    if dist.get_rank() == 0:
+        json.dump(report, open(out, "w"), indent=1)
+    dist.barrier()
+
+
+def tp_runs(root: Path, dp: int, per_device: int, **fsdp_config) -> dict:
+    """``ParallelismConfig(dp_shard_size=dp, tp_size=2)`` on the Llama with a vocabulary tp splits
+    (its own plan), SHARDED checkpoints, trained straight and resumed from the middle one. Each run:
+    its final FULL export loaded with from_pretrained, its loss log and its evaluation (rank 0 writes
+    them). ``fsdp_config``: more keys, and ``use_cpu``, for TrainingArguments."""
     from accelerate.parallelism_config import ParallelismConfig
     from transformers import AutoModelForCausalLM
 
     import shardcore
     from shardcore.integrations.transformers import Trainer
 
-    world = int(os.environ["WORLD_SIZE"])
-    dp, vocab, root = world // 2, MODELS["llama_tp"].vocab, Path(out).parent / "tp"
+    use_cpu = fsdp_config.pop("use_cpu", False)
+    vocab = MODELS["llama_tp"].vocab
     report = {}
     for name, resume in (("straight", None), ("resumed", str(root / f"checkpoint-{STEPS // 2}"))):
         args = training_args(
             str(root),
-            GLOBAL // ACCUM // dp,  # each data-parallel group's rows: both ranks of a tp pair get the same
-            use_cpu=True,
+            per_device,
+            use_cpu=use_cpu,
             fsdp=True,
-            fsdp_config={**FSDP_CONFIG, "state_dict_type": "SHARDED_STATE_DICT"},
+            fsdp_config={**FSDP_CONFIG, "state_dict_type": "SHARDED_STATE_DICT", **fsdp_config},
             parallelism_config=ParallelismConfig(dp_shard_size=dp, tp_size=2),
             save_strategy="steps",
             save_steps=STEPS // 2,
-            per_device_eval_batch_size=GLOBAL // dp,
+            per_device_eval_batch_size=per_device * ACCUM,
         )
         trainer = Trainer(model=build_model("llama_tp", 0), args=args, train_dataset=dataset(vocab))
         trainer.train(resume_from_checkpoint=resume)
@@ -223,7 +234,7 @@ def run_tp(out: str) -> None:
         final = root / f"final-{name}"
         trainer.save_model(str(final))
         loaded = AutoModelForCausalLM.from_pretrained(final)
-        if dist.get_rank() == 0:
+        if not dist.is_initialized() or dist.get_rank() == 0:  # SPMD: one process
             save_file(params(loaded), str(final / "params.safetensors"))
             save_file(evaluation, str(final / "eval.safetensors"))
         report[name] = {
@@ -231,10 +242,9 @@ def run_tp(out: str) -> None:
             "params": str(final / "params.safetensors"),
             "eval": str(final / "eval.safetensors"),
             "tp_size": shardcore.handle(trainer.model).config.tp_size,
+            "tp_processes": trainer.get_tp_size(),
         }
-    if dist.get_rank() == 0:
-        json.dump(report, open(out, "w"), indent=1)
-    dist.barrier()
+    return report
 
 
 def tokenizer():

@@ -30,10 +30,10 @@ from trainer_fsdp2 import (
     dataset,
     eval_dataset,
     evaluated,
-    logged,
     params,
     sft_report,
     sft_trainer,
+    tp_runs,
     training_args,
 )
 
@@ -172,40 +172,10 @@ def device_main(mode: str, out: str) -> None:
 
 def tp_main(out: str) -> None:
     """SPMD with ``TrainingArguments(parallelism_config=ParallelismConfig(tp_size=2))`` on the
-    process's CPU devices (``tp_size`` 2 over pairs of them): straight through, saving SHARDED at
-    the middle step, then resumed from there. One process reads the whole global batch."""
-    from accelerate.parallelism_config import ParallelismConfig
-
-    from shardcore_conformance.models import MODELS
-
-    vocab, root = MODELS["llama_tp"].vocab, Path(out).parent / "spmd-tp"
-    report = {}
-    for name, resume in (("straight", None), ("resumed", str(root / f"checkpoint-{STEPS // 2}"))):
-        args = training_args(
-            str(root),
-            GLOBAL // ACCUM,
-            fsdp=True,
-            fsdp_config={**FSDP_CONFIG, "xla": True, "xla_fsdp_v2": True, "state_dict_type": "SHARDED_STATE_DICT"},
-            parallelism_config=ParallelismConfig(tp_size=2, dp_shard_size=int(os.environ["CPU_NUM_DEVICES"]) // 2),
-            save_strategy="steps",
-            save_steps=STEPS // 2,
-            per_device_eval_batch_size=GLOBAL,
-        )
-        trainer = Trainer(model=build_model("llama_tp", 0), args=args, train_dataset=dataset(vocab))
-        trainer.train(resume_from_checkpoint=resume)
-        evaluation = evaluated(trainer, vocab)
-        final = root / f"final-{name}"
-        trainer.save_model(str(final))
-        loaded = AutoModelForCausalLM.from_pretrained(final)
-        save_file(params(loaded), str(final / "params.safetensors"))
-        save_file(evaluation, str(final / "eval.safetensors"))
-        report[name] = {
-            **logged(trainer),
-            "params": str(final / "params.safetensors"),
-            "eval": str(final / "eval.safetensors"),
-            "tp_size": shardcore.handle(trainer.model).config.tp_size,
-            "tp_processes": trainer.get_tp_size(),
-        }
+    process's CPU devices (``tp_size`` 2 over pairs of them, :func:`trainer_fsdp2.tp_runs`). One
+    process reads the whole global batch."""
+    dp = int(os.environ["CPU_NUM_DEVICES"]) // 2
+    report = tp_runs(Path(out).parent / "spmd-tp", dp, GLOBAL // ACCUM, xla=True, xla_fsdp_v2=True)
     json.dump(report, open(out, "w"), indent=1)
 
 

@@ -265,6 +265,7 @@ def _fsdp2_plan(
         _fake_world(world_size),
         FakeTensorMode(allow_non_fake_inputs=True),
         _real_meshes(),
+        _untracked_shape_propagation(),
         torch.autograd.set_multithreading_enabled(False),
         _unpacked_positions(),
     ):
@@ -314,6 +315,30 @@ def _real_meshes() -> Iterator[None]:
         yield
     finally:
         DeviceMesh.__init__ = init
+
+
+@contextlib.contextmanager
+def _untracked_shape_propagation() -> Iterator[None]:
+    """DTensor's shape propagation with no mode active, in a fake mode of its own, as torch 2.9 runs it.
+    torch 2.13 runs each op it has not seen yet under the ambient fake mode (``detect_fake_mode``),
+    in sight of the memory tracker: the first plan with ``tp_size`` in a process counted those
+    global-shape outputs (1.09 MB more first-step peak on the test model) and later plans, served from
+    its cache, did not. They are shapes, not memory a rank holds."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    name = "_propagate_tensor_meta_non_cached"
+    inner = getattr(ShardingPropagator, name)
+
+    def outside(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with _disable_current_modes():
+            return inner(self, *args, **kwargs)
+
+    setattr(ShardingPropagator, name, outside)
+    try:
+        yield
+    finally:
+        setattr(ShardingPropagator, name, inner)
 
 
 def _add_workspaces(plan: Plan, threads: Any) -> None:
@@ -411,22 +436,26 @@ def _xla_plan(
     """XLA: the model states per device; the step's memory is the compiled program's."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from .tp import build_tp_plan
+
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = build()
+    tp = build_tp_plan(model, cfg)
+    split = tp.split_dims() if tp is not None else {}
     seen: set[int] = set()
     params = grads = state = 0
     per_elem_state = {"adamw": 8, "sgd": 0}[optimizer]
-    # XLA FSDP flattens each tensor and pads it to 128 x the devices; SPMD cuts dim 0 in even chunks
+    # XLA FSDP flattens each tensor and pads it to 128 x the devices
     multiple = 128 * shards if not cfg.xla_fsdp_v2 else None
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
         n = p.numel()
         if multiple:  # XLA FSDP: flattened, padded, then split evenly
             local = -(-n // multiple) * multiple // shards
-        elif p.dim():  # SPMD: dim 0 in chunks of ceil(rows / shards), as FSDP2 does
-            local = math.ceil(p.shape[0] / shards) * (n // max(p.shape[0], 1))
+        elif p.dim():
+            local = _spmd_local_numel(tuple(p.shape), shards, cfg.tp_size, split.get(name))
         else:
             local = n
         params += local * p.element_size()
@@ -454,6 +483,21 @@ def _xla_plan(
         not_predicted={k: why for k in ("gathered_params", "activations", "temporaries", "peak_bytes")},
         seconds=time.time() - t0,
     )
+
+
+def _spmd_local_numel(shape: tuple[int, ...], shards: int, tp: int, split: int | None) -> int:
+    """One device's elements of a parameter under SPMD: FSDPv2 cuts its largest dim over ``fsdp`` in
+    chunks of ceil(size / shards); a weight tensor parallelism splits (dim ``split``) is cut there over
+    ``tensor`` and on its largest other dim over ``fsdp`` (a vector: over both, tensor first)
+    (shardcore_xla.spmd.tp_spec)."""
+    parts = [1] * len(shape)
+    if split is None:
+        parts[shape.index(max(shape))] = shards
+    else:
+        parts[split] = tp
+        rest = [i for i in range(len(shape)) if i != split]
+        parts[max(rest, key=lambda i: shape[i]) if rest else split] *= shards
+    return math.prod(math.ceil(n / k) for n, k in zip(shape, parts))
 
 
 # ---------------------------------------------------------------------------------- fit

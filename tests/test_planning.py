@@ -139,6 +139,21 @@ def test_xla_predicts_the_model_states_and_says_what_it_does_not():
     assert set(plan.not_predicted) == {"gathered_params", "activations", "temporaries", "peak_bytes"}
 
 
+def test_spmd_model_states_follow_fsdpv2s_largest_dim_and_the_tp_split():
+    from shardcore.planning import _spmd_local_numel
+
+    assert _spmd_local_numel((64, 16), 2, 1, None) == 32 * 16  # FSDPv2: the largest dim over fsdp
+    assert _spmd_local_numel((16, 65), 2, 1, None) == 16 * 33  # in chunks of ceil(size / shards)
+    assert _spmd_local_numel((64, 16), 2, 2, 0) == 32 * 8  # colwise: ("tensor", "fsdp")
+    assert _spmd_local_numel((16, 64), 2, 2, 1) == 8 * 32  # rowwise: ("fsdp", "tensor")
+    assert _spmd_local_numel((64,), 2, 2, 0) == 16  # a colwise bias over both axes
+    spmd = {"xla": True, "xla_fsdp_v2": True}
+    halves = predict(tiny, spmd, world_size=2, batch_size=4, seq_len=64).breakdown["sharded_params"]
+    tp = predict(tiny, {**spmd, "tp_size": 2}, world_size=4, batch_size=4, seq_len=64)
+    # the plan's weights in quarters (tp 2 x fsdp 2), the rest (norms, embeddings) in halves
+    assert tp.dp_shard_size == 2 and halves / 2 < tp.breakdown["sharded_params"] < halves
+
+
 def test_bad_input_gets_errors_that_name_the_value_and_the_fix(tmp_path, capsys):
     cfg = tmp_path / "cfg.json"
     cfg.write_text("{}")

@@ -410,12 +410,6 @@ def predict(
     _add_workspaces(plan, gemm_threads)
     if cfg.torch_compile:
         plan.not_predicted["torch_compile"] = "planned as eager: compiled units usually hold fewer activations"
-    if cfg.tp_size > 1:
-        plan.not_predicted["tp_size"] = (
-            "buffers that live only inside a DTensor op (a split layer's partial output beside its collective's "
-            "result, a gathered output's assembly): CPU runs allocated up to 15% more than planned "
-            "(bench/plan_accuracy.py, docs/tensor_parallel.md)"
-        )
     plan.seconds = time.time() - t0
     return plan
 

@@ -276,8 +276,9 @@ def test_hsdp_on_four_ranks_matches_and_a_missing_replica_all_reduce_is_caught(t
 def test_tp_on_four_ranks_matches_and_its_evidence_is_observed(tmp_path):
     """Tensor parallelism under FSDP on 4 gloo ranks (dp_shard 2 x tp 2, and 2 replicas x tp 2):
     every tp case matches the single-device run, its collectives are the predicted ones (FSDP's on
-    the data-parallel ranks, TP's on the tp pairs) and each weight is split as the plan says. The
-    2-rank tp cases run in the whole matrix above."""
+    the data-parallel ranks, TP's on the tp pairs) and each weight is split as the plan says; the
+    compiled case too, on a torch release that certifies it. The 2-rank tp cases run in the whole
+    matrix above."""
     out = _run(
         ["--backend", "fsdp2", "--world-size", "4", "--cases", "*tp2-*", "--report", str(tmp_path), "--no-plots"]
     )
@@ -297,6 +298,19 @@ def test_tp_on_four_ranks_matches_and_its_evidence_is_observed(tmp_path):
         assert split["model.layers.0.self_attn.o_proj.weight"] == 1 and split["model.embed_tokens.weight"] == 0, split
     for key in ("tp_size", "tp_plan"):
         assert set(doc["evidence"][key]["observed_by"]) == {"communication", "placement"}, doc["evidence"][key]
+    # compiled TP, where this torch release certifies it: the units compile in the first step and
+    # never again; TP's collectives run inside the compiled graphs, so placement, not communication,
+    # observes tp_size there
+    import torch
+
+    from shardcore_fsdp2.tensor_parallel import COMPILED_TP_CERTIFIED
+
+    certified = any(torch.__version__.startswith(f"{r}.") for r in COMPILED_TP_CERTIFIED)
+    assert ("dp2-tp2-compile-llama" in rows) is certified, sorted(rows)
+    for compiled in [rows[n] for n in rows if n == "dp2-tp2-compile-llama"]:
+        assert compiled["compiled_graphs"][0] and not any(compiled["compiled_graphs"][1:]), compiled
+        assert "tp_size" in compiled["observed"]["placement"], compiled["observed"]
+        assert "tp_size" not in compiled["observed"].get("communication", []), compiled["observed"]
 
 
 @pytest.mark.multiprocess

@@ -70,6 +70,7 @@ def test_declared_capabilities_of_the_shipped_backends():
         "AsyncFullCheckpoints",
         "GradClipping",
         "GradSyncControl",
+        "ConfigValidation",
         "ModelValidation",
         "GlobalGradSquares",
         "SlicedLoading",

@@ -255,6 +255,34 @@ def test_spmd_marks_a_split_dim_on_tensor_and_another_on_fsdp():
     assert tp_spec((96, 16), 0) == ("tensor", "fsdp")  # the vocabulary of an embedding
 
 
+def test_compiled_tp_is_refused_on_a_torch_release_it_was_not_certified_on():
+    """torch 2.13.0 trained compiled TP wrong (the embedding's weight gradient 0.18 off eager TP's);
+    the suite certified it on 2.9 only. The refusal comes before anything is sharded, and the
+    conformance matrix leaves the compiled TP case out where the backend refuses it."""
+    from shardcore_fsdp2.tensor_parallel import check_compiled_tp
+
+    compiled_tp = parse_config({"tp_size": 2, "torch_compile": True})
+    check_compiled_tp(compiled_tp, "2.9.0+cu128")
+    check_compiled_tp(parse_config({"tp_size": 2}), "2.13.0+cpu")
+    check_compiled_tp(parse_config({"torch_compile": True}), "2.13.0+cpu")
+    with pytest.raises(
+        ShardConfigError, match=r"certified on torch 2\.9 only, and this is torch 2\.13\.0.*torch_compile: false"
+    ) as e:
+        check_compiled_tp(compiled_tp, "2.13.0+cpu")
+    assert e.value.key == "torch_compile"
+    backend = shardcore.get_backend("fsdp2")
+    certified = torch.__version__.startswith("2.9.")
+    try:
+        backend.validate(compiled_tp)
+        refused = False
+    except ShardConfigError:
+        refused = True
+    assert refused is not certified
+    from shardcore_conformance.cases import matrix_for
+
+    assert ("dp2-tp2-compile-llama" in {c.name for c in matrix_for("fsdp2", 4)}) is certified
+
+
 def test_the_matrix_has_a_tp_family_at_two_and_four_ranks():
     from shardcore_conformance.cases import matrix_for
 

@@ -452,7 +452,8 @@ def _tp_cases(add: Any, backend: Any, keys: frozenset[str], world_size: int, cli
     plan, biased q/k/v, tied embeddings split along the vocabulary), each with the structural knobs, accumulation, clipping, resume in both
     checkpoint formats, and rank 0's weights or each rank's slices of a FULL checkpoint
     (``cpu_ram_efficient_loading``). Besides the numbers, the placement check holds every weight to the plan's
-    split on the ``tp`` mesh dim and the communication check counts TP's collectives.
+    split on the ``tp`` mesh dim and the communication check counts TP's collectives (FSDP's only
+    in the compiled case, on 4 ranks: TP's run inside the compiled graphs).
     (No bf16 case yet: a rowwise layer's partial sums are rounded to bf16 before they are summed,
     which the single-device bf16 reference does not do; docs/tensor_parallel.md.)"""
     dp = world_size // 2
@@ -483,6 +484,8 @@ def _tp_cases(add: Any, backend: Any, keys: frozenset[str], world_size: int, cli
             add(f"{tag}-llama-empty_weights", "llama_tp", efficient, empty_weights=True, family="tp")
     if {"dp_replicate_size", "dp_shard_size"} <= keys and dp >= 2:
         add(f"hsdp{dp}x1-tp2-llama", "llama_tp", {**tp, "dp_replicate_size": dp}, family="tp")
+    if "torch_compile" in keys and dp >= 2:  # on 2 ranks nothing would count: TP's collectives are compiled
+        add(f"{tag}-compile-llama", "llama_tp", {**tp, **COMPILE_QUICK}, family="tp")
 
 
 #: the compile cases that cross ``torch_compile`` with another knob use the ``aot_eager`` backend:

@@ -399,7 +399,7 @@ def expected_fsdp(
         return shape if dim is None else [d // tp if i == dim else d for i, d in enumerate(shape)]
 
     for u in units:
-        if tp > 1:
+        if tp > 1 and not config.torch_compile:
             _expect_tensor_parallel(u, config, replicas * shards, a, add)
         if not u["params"]:
             continue

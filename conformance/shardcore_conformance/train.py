@@ -155,7 +155,7 @@ def run_case(case: Case, backend: Any | None, rank: int = 0) -> dict[str, Any]:
         model = _sharded(case, model, backend, rank)
         runtime = shardcore.handle(model).backend
         world_size = runtime.world().size
-        recorder = recorder_for(runtime, world_size, tensor_parallel=cfg.tp_size > 1)
+        recorder = recorder_for(runtime, world_size, tensor_parallel=cfg.tp_size > 1 and not cfg.torch_compile)
     opt = _optimizer(case, model)
     sched = _schedule(case, opt)
     # compiled units would trace the hooks into their graphs (dynamo), and recompute without Python

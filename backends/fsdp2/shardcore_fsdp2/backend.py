@@ -21,6 +21,7 @@ from shardcore import devices, safe_dcp
 from shardcore.capabilities import (
     AsyncFullCheckpoints,
     AsyncShardedCheckpoints,
+    ConfigValidation,
     GlobalGradSquares,
     GradClipping,
     GradSyncControl,
@@ -49,6 +50,7 @@ class FSDP2Backend(
     AsyncFullCheckpoints,
     GradClipping,
     GradSyncControl,
+    ConfigValidation,
     ModelValidation,
     GlobalGradSquares,
     SlicedLoading,
@@ -265,6 +267,10 @@ class FSDP2Backend(
             yield
         finally:
             model.set_requires_gradient_sync(True)
+
+    def validate(self, config: ShardConfig) -> None:
+        """Combinations this torch release trains wrong, from the config alone."""
+        tensor_parallel.check_compiled_tp(config)
 
     def validate_model(self, model: nn.Module, plan: WrapPlan, config: ShardConfig) -> None:
         """cpu_ram_efficient_loading: rank 0 holds the weights and every rank's model matches it,

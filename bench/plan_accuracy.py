@@ -192,7 +192,7 @@ def allocation_peak(trace: list[dict]) -> int:
             unseen_free(addr, end)
     running = peak = 0
     # at one instant, frees before allocations: the clone's end and the next buffer do not overlap
-    for _, n in sorted(deltas, key=lambda d: (d[0], d[1])):
+    for _, n in sorted(deltas):
         running += n
         peak = max(peak, running)
     return peak

@@ -301,13 +301,12 @@ def test_tp_on_four_ranks_matches_and_its_evidence_is_observed(tmp_path):
     # compiled TP, where this torch release certifies it: the units compile in the first step and
     # never again; TP's collectives run inside the compiled graphs, so placement, not communication,
     # observes tp_size there
-    import torch
+    from shardcore_fsdp2.tensor_parallel import compiled_tp_certified
 
-    from shardcore_fsdp2.tensor_parallel import COMPILED_TP_CERTIFIED
-
-    certified = any(torch.__version__.startswith(f"{r}.") for r in COMPILED_TP_CERTIFIED)
+    certified = compiled_tp_certified()
     assert ("dp2-tp2-compile-llama" in rows) is certified, sorted(rows)
-    for compiled in [rows[n] for n in rows if n == "dp2-tp2-compile-llama"]:
+    if certified:
+        compiled = rows["dp2-tp2-compile-llama"]
         assert compiled["compiled_graphs"][0] and not any(compiled["compiled_graphs"][1:]), compiled
         assert "tp_size" in compiled["observed"]["placement"], compiled["observed"]
         assert "tp_size" not in compiled["observed"].get("communication", []), compiled["observed"]

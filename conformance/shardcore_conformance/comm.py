@@ -214,6 +214,12 @@ def _empty_step() -> dict[str, dict[str, Any]]:
     return {k: {"count": 0, "bytes": 0, "group_sizes": [], "groups": []} for k in KINDS}
 
 
+def counts_tp_collectives(config: Any) -> bool:
+    """Whether the recorder counts TP's collectives: DTensor's functional ones, seen by a dispatch
+    mode, under which dynamo compiles nothing. Compiled, they run inside the graphs, uncounted."""
+    return config.tp_size > 1 and not config.torch_compile
+
+
 def recorder_for(runtime: Any, world_size: int, tensor_parallel: bool = False) -> Any:
     """How the suite sees a backend's collectives (``communication_pattern``): XLA FSDP in each rank's
     traced graph, SPMD in the partitioned program (:mod:`.xla_comm`), anything else at
@@ -399,7 +405,7 @@ def expected_fsdp(
         return shape if dim is None else [d // tp if i == dim else d for i, d in enumerate(shape)]
 
     for u in units:
-        if tp > 1 and not config.torch_compile:
+        if counts_tp_collectives(config):
             _expect_tensor_parallel(u, config, replicas * shards, a, add)
         if not u["params"]:
             continue

@@ -32,7 +32,7 @@ from shardcore.capabilities import GlobalGradSquares, StepEnd
 from shardcore.ties import retie_like
 
 from .cases import Case
-from .comm import autograd_facts, recorder_for
+from .comm import autograd_facts, counts_tp_collectives, recorder_for
 from .effects import ModelWrites, ModuleCalls, compute_dtype_name, group_timeout, holder_classes, other_weights
 from .hardware import DEVICE_ENV, hardware
 from .models import build_model, forward_output, is_lora, lora_base_of, loss_fn, make_batches, probe_batch
@@ -155,7 +155,7 @@ def run_case(case: Case, backend: Any | None, rank: int = 0) -> dict[str, Any]:
         model = _sharded(case, model, backend, rank)
         runtime = shardcore.handle(model).backend
         world_size = runtime.world().size
-        recorder = recorder_for(runtime, world_size, tensor_parallel=cfg.tp_size > 1 and not cfg.torch_compile)
+        recorder = recorder_for(runtime, world_size, tensor_parallel=counts_tp_collectives(cfg))
     opt = _optimizer(case, model)
     sched = _schedule(case, opt)
     # compiled units would trace the hooks into their graphs (dynamo), and recompute without Python

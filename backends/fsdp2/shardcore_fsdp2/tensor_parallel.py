@@ -24,12 +24,14 @@ from shardcore.tp import TPPlan
 COMPILED_TP_CERTIFIED = ("2.9",)
 
 
+def compiled_tp_certified(version: str = torch.__version__) -> bool:
+    """Whether the suite certified ``torch_compile`` with ``tp_size`` on this torch release."""
+    return ".".join(version.split("+")[0].split(".")[:2]) in COMPILED_TP_CERTIFIED
+
+
 def check_compiled_tp(config: ShardConfig, version: str = torch.__version__) -> None:
     """Refuse ``torch_compile`` with ``tp_size`` > 1 on a torch release the suite has not certified it on."""
-    if not (config.torch_compile and config.tp_size > 1):
-        return
-    release = ".".join(version.split("+")[0].split(".")[:2])
-    if release in COMPILED_TP_CERTIFIED:
+    if not (config.torch_compile and config.tp_size > 1) or compiled_tp_certified(version):
         return
     raise ShardConfigError(
         "torch_compile",

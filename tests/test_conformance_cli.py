@@ -287,7 +287,9 @@ def test_tp_on_four_ranks_matches_and_its_evidence_is_observed(tmp_path):
     rows = {c["case"]: c for c in doc["cases"]}
     assert {"dp2-tp2-llama", "dp2-tp2-qwen2", "dp2-tp2-llama-ac1", "hsdp2x1-tp2-llama"} <= set(rows)
     assert {"dp2-tp2-llama-sharded_state_dict", "dp2-tp2-qwen2-sharded_state_dict", "dp2-tp2-clip-llama"} <= set(rows)
+    assert {"dp2-tp2-llama-mp-bf16", "dp2-tp2-qwen2-mp-bf16", "dp2-tp2-llama-bf16_weights"} <= set(rows)
     assert doc["ok"] and all(c["comm_checked"] for c in doc["cases"])
+    assert "mixed_precision" in rows["dp2-tp2-llama-mp-bf16"]["observed"]["compute dtype"]
     for name in ("dp2-tp2-llama", "dp2-tp2-qwen2"):
         comm = rows[name]["comm"]
         # FSDP's gathers and reduce-scatters over the dp pair; over the tp pair, per decoder layer the

@@ -284,7 +284,7 @@ def test_compiled_tp_is_refused_on_a_torch_release_it_was_not_certified_on():
 
 
 def test_the_matrix_has_a_tp_family_at_two_and_four_ranks():
-    from shardcore_conformance.cases import matrix_for
+    from shardcore_conformance.cases import LOW_PRECISION_LR, matrix_for
 
     two = {c.name: c for c in matrix_for("fsdp2", 2) if c.family == "tp"}
     four = {c.name: c for c in matrix_for("fsdp2", 4) if c.family == "tp"}
@@ -298,6 +298,16 @@ def test_the_matrix_has_a_tp_family_at_two_and_four_ranks():
     assert {"dp2-tp2-llama", "dp2-tp2-llama-sharded_state_dict", "hsdp2x1-tp2-llama"} <= set(four)
     assert all(c.config["tp_size"] == 2 for c in [*two.values(), *four.values()])
     assert four["hsdp2x1-tp2-llama"].config["dp_replicate_size"] == 2
+    # bf16: FSDP2's mixed precision on each model and clipped, and a model whose weights are bf16,
+    # at the low-precision learning rate every bf16 case trains at
+    for tag, cases in (("tp2", two), ("dp2-tp2", four)):
+        bf16 = {n for n, c in cases.items() if c.dtype == "bf16"}
+        mp = {f"{tag}-llama-mp-bf16", f"{tag}-qwen2-mp-bf16", f"{tag}-clip-llama-mp-bf16"}
+        assert bf16 == mp | {f"{tag}-llama-bf16_weights"}, sorted(bf16)
+        assert all(cases[n].config["mixed_precision"] == "bf16" for n in mp)
+        assert all(cases[n].lr == LOW_PRECISION_LR for n in bf16)
+    spmd = {c.name: c for c in matrix_for("xla", 2) if c.family == "tp" and c.dtype == "bf16"}
+    assert list(spmd) == ["tp2-llama-bf16_weights"] and spmd["tp2-llama-bf16_weights"].model == "llama_tp_bf16"
     # every case builds: its model takes the plan
     for c in two.values():
         from shardcore_conformance.models import build_model
@@ -336,3 +346,29 @@ def test_shared_inputs_are_not_kept_past_a_checkpointed_backward():
     model(input_ids=ids, labels=ids).loss.backward()
     assert all(not c for c in caches.values()), [len(c) for c in caches.values()]
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_two_vocabulary_splits_of_one_shape_and_two_dtypes_run_in_one_process():
+    """torch 2.9's DTensor planner cached a redistribution by a ``_MaskPartial`` placement that
+    compares equal to another embedding's, so the second of two vocabulary-split embeddings of one
+    shape, in another dtype, failed its forward (``assert self.mask_buffer.data is not None``);
+    shardcore empties that cache before such an embedding runs. A 1-rank ``tp`` mesh takes the same
+    path (tensor_parallel.MASK_CACHE_FIXED: the release that no longer needs it)."""
+    import dataclasses
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardcore.distributed import ensure_process_group
+    from shardcore_fsdp2 import tensor_parallel
+
+    ensure_process_group(60.0, "cpu", False)
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    ids = torch.arange(32).reshape(2, 16) % 96
+    for dtype in (torch.float32, torch.bfloat16, torch.float32):
+        model = llama().to(dtype)
+        plan = dataclasses.replace(build_plan(model, parse_config({"tp_size": 2})).tp, size=1)
+        assert dict(plan.styles)["model.embed_tokens"] == "embedding_rowwise"
+        tensor_parallel.apply(model, plan, mesh)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        assert torch.isfinite(loss), dtype

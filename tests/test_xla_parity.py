@@ -44,9 +44,9 @@ def test_spmd_fsdpv2_parity_on_2_cpu_devices():
 
 
 #: the SPMD ``tp`` family's cases CI runs (``shardcore-conformance --backend xla`` runs all of them):
-#: each model and plan once, and a SHARDED resume; XLA:CPU compiles each program of a 2-D mesh in
+#: each model and plan once, a SHARDED resume, and the whole model in bf16; XLA:CPU compiles each program of a 2-D mesh in
 #: about 8 s here
-SPMD_TP_CASES_2 = "tp2-llama,tp2-qwen2,tp2-llama-plan,tp2-llama-sharded_state_dict"
+SPMD_TP_CASES_2 = "tp2-llama,tp2-qwen2,tp2-llama-plan,tp2-llama-bf16_weights,tp2-llama-sharded_state_dict"
 SPMD_TP_CASES_4 = "dp2-tp2-llama,hsdp2x1-tp2-llama"
 
 

@@ -309,6 +309,12 @@ def _matrix(backend: Any, world_size: int = 2, dtype: str | None = None) -> list
                     "compile-llama-mp-bf16",
                 )
             )
+        # tensor parallelism in bf16: each rowwise layer's partial sums, and each column split's
+        # input gradient, are rounded to bf16 on every tp rank before the all-reduce sums them
+        tag = "tp2" if world_size == 2 else f"dp{world_size // 2}-tp2"
+        for c in fp32:
+            if c.name in (f"{tag}-llama", f"{tag}-qwen2", f"{tag}-clip-llama"):
+                out.append(_low_precision(c, {"mixed_precision": "bf16"}, f"{c.name}-mp-bf16"))
     if knob is not None and _peft_installed():
         out.append(
             _low_precision(
@@ -453,9 +459,8 @@ def _tp_cases(add: Any, backend: Any, keys: frozenset[str], world_size: int, cli
     checkpoint formats, and rank 0's weights or each rank's slices of a FULL checkpoint
     (``cpu_ram_efficient_loading``). Besides the numbers, the placement check holds every weight to the plan's
     split on the ``tp`` mesh dim and the communication check counts TP's collectives (FSDP's only
-    in the compiled case, on 4 ranks: TP's run inside the compiled graphs).
-    (No bf16 case yet: a rowwise layer's partial sums are rounded to bf16 before they are summed,
-    which the single-device bf16 reference does not do; docs/tensor_parallel.md.)"""
+    in the compiled case, on 4 ranks: TP's run inside the compiled graphs). In bf16, a Llama whose
+    weights are bf16 here (the mixed-precision cases are added with the other bf16 one-offs)."""
     dp = world_size // 2
     tag = "tp2" if dp == 1 else f"dp{dp}-tp2"
     # on XLA, SPMD is the mode with a tensor axis (XLA FSDP refuses tp_size)
@@ -473,6 +478,7 @@ def _tp_cases(add: Any, backend: Any, keys: frozenset[str], world_size: int, cli
         add(f"{tag}-clip-llama", "llama_tp", tp, max_grad_norm=CLIP_NORM, family="tp")
         add(f"{tag}-clip-qwen2-inf", "qwen2_tp", tp, max_grad_norm=CLIP_NORM, norm_type=math.inf, family="tp")
     add(f"{tag}-llama-resume", "llama_tp", tp, resume_at=RESUME_AT, family="tp")
+    add(f"{tag}-llama-bf16_weights", "llama_tp_bf16", tp, dtype="bf16", lr=LOW_PRECISION_LR, family="tp")
     if "state_dict_type" in keys:
         sharded = {**tp, "state_dict_type": "SHARDED_STATE_DICT"}
         add(f"{tag}-llama-sharded_state_dict", "llama_tp", sharded, resume_at=RESUME_AT, family="tp")

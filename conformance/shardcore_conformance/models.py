@@ -249,6 +249,10 @@ MODELS: dict[str, ModelSpec] = {
     "gpt2": ModelSpec(build_gpt2, "causal_lm", size_wrap_min_params=None, tied=True),
     # tensor parallelism splits the vocabulary: 96 rows divide among 2 and 4 ranks, 97 do not
     "llama_tp": ModelSpec(lambda: build_llama(vocab_size=96), "causal_lm", size_wrap_min_params=2000, vocab=96),
+    # the whole model in bf16: parameters, gradients and AdamW state (SPMD has no mixed-precision key)
+    "llama_tp_bf16": ModelSpec(
+        lambda: build_llama(vocab_size=96).to(torch.bfloat16), "causal_lm", size_wrap_min_params=2000, vocab=96
+    ),
     "qwen2_tp": ModelSpec(
         lambda: _tiny_model("qwen2", {}), "causal_lm", size_wrap_min_params=None, tied=True, vocab=96
     ),

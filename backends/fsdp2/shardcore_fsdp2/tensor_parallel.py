@@ -118,6 +118,29 @@ def apply(model: nn.Module, plan: TPPlan, tp_mesh: Any) -> None:
         # plan's, cannot run either). Weights that differ between ranks are cpu_ram_efficient_loading's.
         parallelize_module(model, tp_mesh, styles, src_data_rank=None)
     _share_inputs_within_parents(model, plan)
+    _fresh_masks_for_split_vocabularies(model, plan)
+
+
+#: the first torch release on which two vocabulary-split embeddings of one shape and two dtypes
+#: worked in one process without :func:`_fresh_masks_for_split_vocabularies` (2.9.0 failed)
+MASK_CACHE_FIXED = (2, 13)
+
+
+def _fresh_masks_for_split_vocabularies(model: nn.Module, plan: TPPlan, version: str = torch.__version__) -> None:
+    """Work around torch 2.9's DTensor: an embedding split along the vocabulary marks the ids it
+    does not hold in a mask kept on its ``_MaskPartial`` placement. The redistribution planner caches
+    its plans by placements that compare equal while their masks are empty, so a second such
+    embedding of the same shape whose weight has another dtype (a bf16 model after an fp32 one, in
+    one process) gets a cached plan that fills the first one's mask, and its own output fails
+    ``assert self.mask_buffer.data is not None``. Emptying the planner's cache before each such
+    embedding runs makes it plan with its own placement."""
+    if tuple(int(x) for x in version.split("+")[0].split(".")[:2]) >= MASK_CACHE_FIXED:
+        return
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+    for name, style in plan.styles:
+        if style == "embedding_rowwise":
+            model.get_submodule(name).register_forward_pre_hook(lambda *_: _gen_transform_infos.cache_clear())
 
 
 def by_mesh(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:

@@ -89,12 +89,16 @@ $(NEWEST_STAMP): $(DEPS)
 	touch $@
 
 # The matrix gets the Inductor settings tests/conftest.py gives the pinned suite (it says why; the
-# kernels are the same).
+# kernels are the same). The compiled TP case is the 4-rank one that certifies torch_compile with
+# tp_size on this release (shardcore_fsdp2.tensor_parallel.COMPILED_TP_CERTIFIED).
 test-newest: setup-newest
 	USE_TORCH_XLA=0 $(NEWEST_VENV)/bin/python -m pytest -q -rs -m "not multiprocess" tests
 	USE_TORCH_XLA=0 TORCHINDUCTOR_COMPILE_THREADS=1 TORCHINDUCTOR_VEC_ISA_OK=1 \
 	  $(NEWEST_VENV)/bin/shardcore-conformance --backend fsdp2 --world-size 2 --dtype fp32 \
 	  --no-plots -q --report conformance-report/torch-newest
+	USE_TORCH_XLA=0 TORCHINDUCTOR_COMPILE_THREADS=1 TORCHINDUCTOR_VEC_ISA_OK=1 \
+	  $(NEWEST_VENV)/bin/shardcore-conformance --backend fsdp2 --world-size 4 --cases dp2-tp2-compile-llama \
+	  --no-plots -q --report conformance-report/torch-newest-compiled-tp
 
 # Every test that starts no process (tests/process_guard.py fails collection when a test that
 # launches one lacks the multiprocess marker), so it stays fast enough to run after each edit. On

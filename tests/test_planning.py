@@ -31,6 +31,28 @@ def no_process_group():
         dist.destroy_process_group()
 
 
+@pytest.fixture
+def planned_once(monkeypatch):
+    """``predict`` computes each (model, config, sizes) once per test: the fake step is deterministic,
+    and the --fit tests ask for the same plans as their own references (1 to 3 s each here)."""
+    import copy
+
+    import shardcore.planning as planning
+
+    real, plans = planning.predict, {}
+
+    def once(build, config, world_size, batch_size, seq_len, optimizer="adamw", global_batch=None):
+        key = (build, json.dumps(shardcore.parse_config(config).to_dict(), sort_keys=True, default=str))
+        key += (world_size, batch_size, seq_len, optimizer, global_batch)
+        if key not in plans:
+            plans[key] = real(build, config, world_size, batch_size, seq_len, optimizer, global_batch)
+        return copy.deepcopy(plans[key])
+
+    monkeypatch.setattr(planning, "predict", once)
+    monkeypatch.setitem(globals(), "predict", once)
+    return plans
+
+
 def tiny():
     """A 2-layer Llama (module:factory for the plan): quick to plan many times."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -188,7 +210,7 @@ def test_bad_input_gets_errors_that_name_the_value_and_the_fix(tmp_path, capsys)
     )
 
 
-def test_fit_takes_the_fastest_config_that_fits_and_writes_a_file_shard_takes(tmp_path):
+def test_fit_takes_the_fastest_config_that_fits_and_writes_a_file_shard_takes(tmp_path, planned_once):
     base = predict(tiny, {}, 2, 4, 64)
     ac = predict(tiny, {"activation_checkpointing": True}, 2, 4, 64)
     limit = (max(ac.peak_bytes, ac.first_step_peak_bytes) + base.peak_bytes) // 2  # AC fits, the config does not
@@ -207,7 +229,7 @@ def test_fit_takes_the_fastest_config_that_fits_and_writes_a_file_shard_takes(tm
     assert shardcore.parse_config(str(out)).activation_checkpointing
 
 
-def test_fit_splits_weights_with_tp_when_recomputation_alone_does_not_fit():
+def test_fit_splits_weights_with_tp_when_recomputation_alone_does_not_fit(planned_once):
     """tp_size is searched after activation checkpointing and before cpu_offload, over the sizes the
     model's plan takes: tiny's 2 KV heads allow tp 2, not 4."""
     from shardcore.planning import _tp_sizes
@@ -226,7 +248,7 @@ def test_fit_splits_weights_with_tp_when_recomputation_alone_does_not_fit():
     assert _tp_sizes(lambda: torch.nn.Sequential(torch.nn.Linear(4, 4)), shardcore.parse_config({}), 8) == []
 
 
-def test_when_nothing_fits_it_names_the_smallest_world_size():
+def test_when_nothing_fits_it_names_the_smallest_world_size(planned_once):
     """More ranks shrink each one's shards (activations stay): the limit below fits 8 ranks with
     every allowed saving at micro-batch 1, not 1 rank."""
     thrifty = {"activation_checkpointing": True, "mixed_precision": "bf16"}

@@ -337,13 +337,23 @@ def test_the_matrix_has_a_tp_family_at_two_and_four_ranks():
         assert bf16 == mp | {f"{tag}-llama-bf16_weights"}, sorted(bf16)
         assert all(cases[n].config["mixed_precision"] == "bf16" for n in mp)
         assert all(cases[n].lr == LOW_PRECISION_LR for n in bf16)
-    spmd = {c.name: c for c in matrix_for("xla", 2) if c.family == "tp" and c.dtype == "bf16"}
-    assert list(spmd) == ["tp2-llama-bf16_weights"] and spmd["tp2-llama-bf16_weights"].model == "llama_tp_bf16"
     # every case builds: its model takes the plan
     for c in two.values():
         from shardcore_conformance.models import build_model
 
         assert build_plan(build_model(c.model, 0), parse_config(c.config)).tp is not None, c.name
+
+
+@pytest.mark.xla
+def test_spmds_bf16_tp_case_is_a_model_whose_weights_are_bf16():
+    """SPMD has no mixed-precision key (it refuses xla_fsdp_settings), so its tp family computes in
+    bf16 through the model's own dtype."""
+    from shardcore_conformance.cases import LOW_PRECISION_LR, matrix_for
+
+    spmd = {c.name: c for c in matrix_for("xla", 2) if c.family == "tp" and c.dtype == "bf16"}
+    assert list(spmd) == ["tp2-llama-bf16_weights"], sorted(spmd)
+    case = spmd["tp2-llama-bf16_weights"]
+    assert case.model == "llama_tp_bf16" and case.lr == LOW_PRECISION_LR and case.config["xla_fsdp_v2"]
 
 
 def test_shared_inputs_are_not_kept_past_a_checkpointed_backward():

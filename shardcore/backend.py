@@ -111,6 +111,13 @@ class BackendInfo:
     target: str
 
 
+def release(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a version string such as ``torch.__version__`` (``"2.9.0+cu128"``): the
+    release a backend's workarounds and certifications are keyed by."""
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
 def _entry_points() -> dict[str, metadata.EntryPoint]:
     eps = metadata.entry_points(group=ENTRY_POINT_GROUP)
     out: dict[str, metadata.EntryPoint] = {}

@@ -311,7 +311,7 @@ def _matrix(backend: Any, world_size: int = 2, dtype: str | None = None) -> list
             )
         # tensor parallelism in bf16: each rowwise layer's partial sums, and each column split's
         # input gradient, are rounded to bf16 on every tp rank before the all-reduce sums them
-        tag = "tp2" if world_size == 2 else f"dp{world_size // 2}-tp2"
+        tag = _tp_tag(world_size)
         for c in fp32:
             if c.name in (f"{tag}-llama", f"{tag}-qwen2", f"{tag}-clip-llama"):
                 out.append(_low_precision(c, {"mixed_precision": "bf16"}, f"{c.name}-mp-bf16"))
@@ -451,6 +451,11 @@ TP_PLAN = {
 }
 
 
+def _tp_tag(world_size: int) -> str:
+    """The name prefix of the tp cases at ``world_size``: pure TP on 2 ranks, dp x tp 2 above."""
+    return "tp2" if world_size == 2 else f"dp{world_size // 2}-tp2"
+
+
 def _tp_cases(add: Any, backend: Any, keys: frozenset[str], world_size: int, clips: bool) -> None:
     """Tensor parallelism over pairs of ranks (``tp_size`` 2): pure TP on 2 ranks (``tp2-``), TP
     under FSDP on more (``dp2-tp2-`` on 4: dp_shard 2 x tp 2; ``hsdp2x1-tp2-``: 2 replicas x tp 2).
@@ -462,7 +467,7 @@ def _tp_cases(add: Any, backend: Any, keys: frozenset[str], world_size: int, cli
     in the compiled case, on 4 ranks: TP's run inside the compiled graphs). In bf16, a Llama whose
     weights are bf16 here (the mixed-precision cases are added with the other bf16 one-offs)."""
     dp = world_size // 2
-    tag = "tp2" if dp == 1 else f"dp{dp}-tp2"
+    tag = _tp_tag(world_size)
     # on XLA, SPMD is the mode with a tensor axis (XLA FSDP refuses tp_size)
     tp = {"tp_size": 2, **({"xla_fsdp_v2": True} if "xla_fsdp_v2" in keys else {})}
     add(f"{tag}-llama", "llama_tp", tp, family="tp")

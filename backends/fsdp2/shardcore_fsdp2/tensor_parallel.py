@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardcore.backend import release
 from shardcore.config import ShardConfig
 from shardcore.errors import ShardConfigError
 from shardcore.ties import ties_kept
@@ -25,7 +26,7 @@ COMPILED_TP_CERTIFIED = ("2.9", "2.13")
 
 def compiled_tp_certified(version: str = torch.__version__) -> bool:
     """Whether the suite certified ``torch_compile`` with ``tp_size`` on this torch release."""
-    return ".".join(version.split("+")[0].split(".")[:2]) in COMPILED_TP_CERTIFIED
+    return "%d.%d" % release(version) in COMPILED_TP_CERTIFIED
 
 
 def check_compiled_tp(config: ShardConfig, version: str = torch.__version__) -> None:
@@ -152,7 +153,7 @@ def _fresh_masks_for_split_vocabularies(model: nn.Module, plan: TPPlan, version:
     one process) gets a cached plan that fills the first one's mask, and its own output fails
     ``assert self.mask_buffer.data is not None``. Emptying the planner's cache before each such
     embedding runs makes it plan with its own placement."""
-    if tuple(int(x) for x in version.split("+")[0].split(".")[:2]) >= MASK_CACHE_FIXED:
+    if release(version) >= MASK_CACHE_FIXED:
         return
     from torch.distributed.tensor._redistribute import _gen_transform_infos
 

@@ -44,6 +44,8 @@ import logging
 import weakref
 from typing import Any
 
+from shardcore.backend import release
+
 log = logging.getLogger(__name__)
 
 #: torch_xla releases in which both bugs were reproduced and these fixes verified
@@ -62,8 +64,7 @@ _PRIVATE = (
 def warn_if_unverified(version: str) -> None:
     """No torch_xla release is known to fix the bugs, so the fixes apply to every version; one newer
     than those verified gets a warning (the private members are checked separately)."""
-    major_minor = tuple(int(x) for x in version.split("+")[0].split(".")[:2])
-    if major_minor > max(tuple(int(x) for x in v.split(".")) for v in VERIFIED):
+    if release(version) > max(release(v) for v in VERIFIED):
         log.warning(
             "shardcore xla: torch_xla %s is newer than the releases the multi-output unit fixes were verified on (%s)",
             version,

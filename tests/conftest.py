@@ -21,9 +21,11 @@ pytest_plugins = ["pytester", "process_guard", "scheduling"]
 # processes, so the test process itself stays plain PyTorch.
 os.environ.setdefault("USE_TORCH_XLA", "0")
 
-# XLA:CPU's LLVM back end at -O0 for every XLA process the tests start. On CPU PJRT compiling is
-# most of an XLA run (a 18-case parity run spends 31 s of its 55 in 81 compilations, executing
-# takes 0.3 s), and -O0 halves it (parity run 97 s -> 64 s). The HLO the suite checks is the same;
+# XLA:CPU's LLVM back end at -O0, and its older fusion code generator, for every XLA process the
+# tests start. On CPU PJRT compiling is most of an XLA run (a 18-case parity run spends 31 s of its
+# 55 in 81 compilations, executing takes 0.3 s). -O0 halves it (parity run 97 s -> 64 s). The
+# default MLIR fusion emitters build an MLIR context and load its dialects for every compilation;
+# without them the XLA tests took 387 CPU-s instead of 716. The HLO the suite checks is the same;
 # only the machine code differs, as it does between CPUs, which the tolerances already cover
 # (docs/numerics.md). `make conformance-xla` and users' runs keep XLA's default.
 os.environ["XLA_FLAGS"] = harness.xla_flags(os.environ.get("XLA_FLAGS", ""))

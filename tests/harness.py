@@ -277,7 +277,7 @@ def tail(out: str | None, err: str | None = None, n: int = 3000) -> str:
 
 
 #: what the tests add to XLA_FLAGS (conftest.py says why)
-TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0",)
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 
 
 def xla_flags(flags: str) -> str:

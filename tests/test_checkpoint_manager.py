@@ -91,6 +91,22 @@ def test_resuming_from_the_manager_continues_bit_for_bit(tmp_path):
     assert on_disk == ["model", "rank-00000.json", "rank-00000.safetensors", "shardcore-step.json"]
 
 
+@pytest.mark.xla
+def test_a_plain_run_that_imported_torch_xla_saves_and_resumes(tmp_path, monkeypatch):
+    """Transformers imports torch_xla wherever it is installed. A run on a torch device then has
+    torch_xla imported and no XLA runtime: its RNG state is not the run's to save."""
+    import torch_xla.core.xla_model  # noqa: F401
+
+    monkeypatch.delenv("PJRT_DEVICE", raising=False)
+    _seed_all(0)
+    model, opt, sched, pos = _setup()
+    _step(model, opt, sched, pos)
+    manager = shardcore.CheckpointManager(tmp_path / "ckpt")
+    manager.save(1, model, opt, scheduler=sched, data=pos)
+    model, opt, sched, pos = _setup(seed=7)
+    assert manager.restore(model, opt, scheduler=sched, data=pos) == 1
+
+
 def test_restore_without_a_checkpoint_returns_none(tmp_path):
     model, opt, *_ = _setup()
     before = [p.clone() for p in model.parameters()]

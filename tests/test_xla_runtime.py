@@ -125,6 +125,8 @@ def test_a_failed_device_thread_stops_the_others_even_in_a_later_group(monkeypat
     from shardcore import DistributedSetupError
     from shardcore_xla import cpu
 
+    # a new group first makes torch_xla count .item() on a device: the runtime needs a device type
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
     monkeypatch.setattr(cpu, "_FAILED", threading.Event())
     monkeypatch.setattr(cpu, "_GROUPS", {})
     cpu.abort_all()

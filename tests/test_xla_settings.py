@@ -36,10 +36,13 @@ def test_cpu_recipe_problems_and_settings():
         assert e.value.key == f"xla_fsdp_settings.{name}" and "several CPU PJRT devices" in str(e.value)
 
 
-def test_spmd_refuses_a_meta_model_before_apply():
+def test_spmd_refuses_a_meta_model_before_apply(monkeypatch):
     """cpu_ram_efficient_loading under SPMD: the one process is rank 0 and must hold the weights.
     shard() refuses a meta-device model in validate_model, before apply (and before any device)."""
     from shardcore_xla import SpmdBackend
+
+    # validate_model counts the devices, which starts the runtime: it needs a device type
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
 
     applied = []
 
@@ -56,6 +59,22 @@ def test_spmd_refuses_a_meta_model_before_apply():
         )
     assert e.value.key == "cpu_ram_efficient_loading" and "meta device" in str(e.value), e.value
     assert applied == []
+
+
+def test_spmd_without_a_device_type_is_a_clear_error(monkeypatch):
+    """torch_xla counts no device without PJRT_DEVICE (off a TPU host) and says so in a bare
+    RuntimeError. shard() says what to set. The runtime starts once per process, so the count is
+    made to fail as torch_xla 2.9's does where it has not started."""
+    import torch_xla.runtime as xr
+
+    from shardcore import BackendUnavailableError
+
+    def unset():
+        raise RuntimeError("$PJRT_DEVICE is not set.")
+
+    monkeypatch.setattr(xr, "global_runtime_device_count", unset)
+    with pytest.raises(BackendUnavailableError, match=r"PJRT_DEVICE is not set.*Set PJRT_DEVICE before the run"):
+        shardcore.shard(build_model("mlp", 0), V2, backend="xla")
 
 
 def test_xla_fsdp_refuses_parameters_that_are_not_float32_by_name():

@@ -734,10 +734,16 @@ def _numpy() -> Any:
 
 
 def _xla_model() -> Any:
-    """torch_xla's RNG, only where the run already imported it (an XLA run)."""
+    """torch_xla's RNG, only in an XLA run: one whose XLA runtime has started. Imported is not
+    enough: Transformers imports torch_xla wherever it is installed, and torch_xla's RNG then raises
+    "$PJRT_DEVICE is not set" in a plain PyTorch run."""
     import sys
 
     if "torch_xla" not in sys.modules:
+        return None
+    import torch_xla
+
+    if not torch_xla._XLAC._xla_runtime_is_initialized():
         return None
     import torch_xla.core.xla_model as xm
 

@@ -58,9 +58,25 @@ def check_model(model: nn.Module, config: ShardConfig) -> None:
 
 def shape(config: ShardConfig) -> tuple[int, int]:
     """``(replicas, shards)`` over every device of the process (raises ShardConfigError)."""
+    return data_parallel_shape(config, device_count())
+
+
+def device_count() -> int:
+    """Every device the process's SPMD program spans. Counting them starts the XLA runtime, which
+    needs to know its device type: torch_xla raises a bare RuntimeError where it cannot."""
     import torch_xla.runtime as xr
 
-    return data_parallel_shape(config, xr.global_runtime_device_count())
+    try:
+        return xr.global_runtime_device_count()
+    except RuntimeError as e:
+        if "PJRT_DEVICE" not in str(e):
+            raise
+        from shardcore import BackendUnavailableError
+
+        raise BackendUnavailableError(
+            f"shardcore: SPMD (xla_fsdp_v2: true) could not start the XLA runtime: torch_xla says {e}. "
+            "Set PJRT_DEVICE before the run starts: TPU, CUDA, or CPU (with CPU_NUM_DEVICES for several)."
+        ) from e
 
 
 def enable() -> None:
@@ -79,10 +95,9 @@ def mesh(existing: Any = None, replicas: int = 1, tp: int = 1) -> Any:
     axis of size ``tp`` after them, innermost. ``existing`` if it is that mesh already."""
     import numpy as np
     import torch_xla.distributed.spmd as xs
-    import torch_xla.runtime as xr
 
     enable()
-    n = xr.global_runtime_device_count()
+    n = device_count()
     shards = n // (replicas * tp)
     if tp == 1:
         dims, axes = ((n, 1), ("fsdp", "model")) if replicas == 1 else ((replicas, shards), (REPLICATE, "fsdp"))

@@ -59,9 +59,7 @@ class SpmdBackend(XlaBackendBase, TensorParallel):
     def local_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The whole global batch, sharded along dim 0 over the mesh's data axes (every device of
         one ``tensor`` row gets the same rows)."""
-        import torch_xla.runtime as xr
-
-        n = xr.global_runtime_device_count() // self._tp
+        n = spmd.device_count() // self._tp
         check_batch_divides(
             batch, n, "devices" if self._tp == 1 else f"data-parallel device groups (tp_size {self._tp})"
         )

@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import copy
 import sys
+import threading
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -32,8 +33,13 @@ CONFIG = {
 }
 
 
+# XLA FSDP on CPU runs main() once per device, as threads of one process, and the threads share torch's
+# global generator: seeded and built at once, their draws interleave and the weights differ from run
+# to run. shardcore gives every device device 0's weights, so the run is right, but not repeatable.
+_BUILD = threading.Lock()
+
+
 def build() -> LlamaForCausalLM:
-    torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=256,
         hidden_size=64,
@@ -44,7 +50,9 @@ def build() -> LlamaForCausalLM:
         max_position_embeddings=64,
         attn_implementation="eager",
     )
-    return LlamaForCausalLM(cfg)
+    with _BUILD:
+        torch.manual_seed(0)
+        return LlamaForCausalLM(cfg)
 
 
 def batches(steps: int, global_batch: int) -> list[torch.Tensor]:

@@ -32,7 +32,7 @@ def torchrun(nproc: int, worker: str, *args: str, timeout: float = DEADLINE) -> 
             f"workers/{worker}.py {' '.join(args)} on {nproc} ranks failed (rc {proc.returncode}):\n"
             + "\n".join(errors[-15:])
             + "\n"
-            + text[-3000:]
+            + harness.tail(text)
         )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -271,9 +272,18 @@ def kill_group(proc: subprocess.Popen) -> None:
     proc.wait(30)
 
 
+#: the line a process prints as native code kills it: glibc's heap checks, C++'s terminate, Python's
+#: faulthandler. It names the cause, and the other ranks' tracebacks push it out of a tail.
+_CRASH = re.compile(
+    r"^(free\(\)|malloc\(\)|realloc\(\)|double free|corrupted |munmap_chunk|terminate called|Fatal Python error)"
+)
+
+
 def tail(out: str | None, err: str | None = None, n: int = 3000) -> str:
-    """The ends of a process's output, for assertion messages."""
-    return (out or "")[-n:] + ("\n--- stderr ---\n" + err[-n:] if err else "")
+    """The ends of a process's output, for assertion messages, after any native crash lines in it."""
+    crashes = [ln for ln in f"{out or ''}\n{err or ''}".splitlines() if _CRASH.match(ln.lstrip())]
+    head = "crashed in native code:\n" + "\n".join(crashes[:10]) + "\n--- tail ---\n" if crashes else ""
+    return head + (out or "")[-n:] + ("\n--- stderr ---\n" + err[-n:] if err else "")
 
 
 #: what the tests add to XLA_FLAGS (conftest.py says why)

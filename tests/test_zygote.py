@@ -37,6 +37,10 @@ if __name__ == "__main__":
         sys.exit(p.exitcode)
     if what == "raise":
         raise ValueError("boom")
+    if what == "abort":  # as glibc does on a corrupted heap
+        def crash_here():
+            os.abort()
+        crash_here()
     if what == "devices":  # the CPU runtime starts in the fork, with the fork's settings
         import torch_xla.runtime as xr
         print(json.dumps({"devices": xr.global_runtime_device_count(), "zygote": os.getppid()}))
@@ -139,6 +143,15 @@ def test_one_zygote_serves_xla_on_every_cpu_device_count(program):
 def test_a_forked_program_that_raises_exits_1_with_its_traceback(program):
     r = harness.run([sys.executable, program, "raise"], env=env(), timeout=120)
     assert r.returncode == 1 and "ValueError: boom" in r.stderr and "atexit ran" in r.stdout, r
+
+
+def test_a_forked_program_that_crashes_in_native_code_prints_where_python_was(program):
+    """A rank that glibc aborts prints one line of its own; the fork prints its Python stack too
+    (faulthandler), and the harness's failure message puts the crash line first."""
+    r = harness.run([sys.executable, program, "abort"], env=env(), timeout=120)
+    assert r.returncode == -signal.SIGABRT, harness.tail(r.stdout, r.stderr)
+    assert "Fatal Python error: Aborted" in r.stderr and "in crash_here" in r.stderr, r.stderr
+    assert harness.tail(r.stdout, r.stderr).startswith("crashed in native code:\nFatal Python error: Aborted")
 
 
 def test_a_forked_program_can_spawn_processes(program):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import array
 import atexit
+import faulthandler
 import gc
 import importlib
 import json
@@ -433,6 +434,9 @@ def _run_child(request: dict, fds: list[int]) -> int:
     os.dup2(fds[1], 2)
     for fd in (devnull, *fds):
         os.close(fd)
+    # a crash in native code (glibc's heap checks abort; a segfault) then prints where Python was in
+    # every thread; without it a rank's only word is one glibc line, easily lost among its peers' errors
+    faulthandler.enable()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     random.seed()  # a fresh interpreter would seed from the OS; a fork shares the zygote's state

@@ -4,6 +4,8 @@ the path (the tests put it there; from a checkout: ``PYTHONPATH=tests``)."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from shardcore_fsdp2 import FSDP2Backend
@@ -69,6 +71,24 @@ class SkipsReplicaAllReduceBackend(FSDP2Backend):
         for m in model.modules():
             if isinstance(m, FSDPModule):
                 m.set_requires_all_reduce(False, recurse=False)
+        return model
+
+
+class AbortsOnRankOneBackend(FSDP2Backend):
+    """A rank that native code aborts mid-run (what glibc does on a corrupted heap): it writes no
+    error, and its peers fail with "connection closed". The report must name the aborted rank."""
+
+    name = "broken-aborts"
+
+    def apply(self, model, plan, config):
+        import torch.distributed as dist
+
+        model = super().apply(model, plan, config)
+        if dist.get_rank() == 1:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file where the test runs
+            os.abort()
         return model
 
 

@@ -172,6 +172,8 @@ def test_cli_runs_cases_and_writes_the_report(fsdp2_matrix_run):
         ("broken_backends:SkipsReplicaAllReduceBackend", "hsdp2x1-mlp", "loss differs at step 1"),
         # every rank built without weights reads rank 0's rows: the model starts from wrong weights
         ("broken_backends:SlicesFromRowZeroBackend", "llama-empty_weights", "loss differs at step 0"),
+        # a rank that native code aborts writes no error; its peers' "connection closed" must not hide it
+        ("broken_backends:AbortsOnRankOneBackend", "grad_accum-mlp", "rank 1 was killed by SIGABRT"),
         # numbers right, communication wrong: only the communication check may fail these two
         (
             "broken_backends:WholeModelUnitBackend",

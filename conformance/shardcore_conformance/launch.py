@@ -11,6 +11,7 @@ import functools
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -174,6 +175,11 @@ class _Forked:
 
     def is_alive(self) -> bool:
         return self.proc.poll() is None
+
+    @property
+    def exitcode(self) -> int | None:
+        """As ``multiprocessing.Process.exitcode``: negative for a signal's number."""
+        return self.proc.poll()
 
     def kill(self) -> None:
         self.proc.kill()
@@ -361,7 +367,16 @@ def _wait(ctx, out: Path, nprocs: int, case_timeout: float, pending: list[Case])
             # the first error written is the cause; ranks that failed because of it write theirs later
             errs = sorted(out.glob(f"{name}.error.*"), key=lambda p: p.stat().st_mtime_ns)
             detail = errs[0].read_text() if errs else str(e)
+            # a rank that a signal killed (a native crash) writes no error of its own, and its peers'
+            # "connection closed" come first; look before _kill's own signals
+            killed = [(r, p.exitcode) for r, p in enumerate(ctx.processes) if (p.exitcode or 0) < 0]
             _kill(ctx)
+            if killed:
+                rank, code = killed[0]
+                return name, (
+                    f"worker failed in case {name}: rank {rank} was killed by {signal.Signals(-code).name} "
+                    f"(its output above says why)\n{detail}"
+                )
             return (
                 name,
                 f"worker failed in case {name}: {detail.strip().splitlines()[-1] if detail.strip() else e}\n{detail}",

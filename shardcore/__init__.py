@@ -3,6 +3,7 @@
 >>> model = shardcore.shard(model, {"reshard_after_forward": True})   # doctest: +SKIP
 """
 
+from . import distributed
 from .api import ShardedModel, handle, shard
 from .backend import Backend, BackendInfo, World, available_backends, get_backend
 from .checkpoint import CheckpointManager, from_pretrained, load, save
@@ -23,6 +24,9 @@ from .errors import (
 )
 from .loop import clip_grad_norm_, launch, no_sync
 from .plan import MemoryEstimate, Unit, WrapPlan, build_plan, estimate_memory
+
+# before any script or launcher makes a group: torch's two gloo workers race (distributed.py)
+distributed.one_worker_gloo()
 
 __version__ = "0.1.0"
 

@@ -64,6 +64,7 @@ def ensure_process_group(timeout_s: float, device_type: str, timeout_set: bool =
 
     if dist.is_initialized():
         _check_existing_group()
+        _check_gloo_threads(dist.group.WORLD)
         if timeout_set:
             # private, but the one way torch offers to change an existing group's timeout (gloo and NCCL)
             dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s), dist.group.WORLD)
@@ -121,6 +122,79 @@ def _check_existing_group() -> None:
                 f"pass world_size=int(os.environ['WORLD_SIZE']) and rank=int(os.environ['RANK']) to "
                 "init_process_group, or let shardcore.shard() create the group."
             )
+
+
+# ---------------------------------------------------------------- gloo's worker threads
+
+#: torch's own ProcessGroupGloo.__init__, for the tests and the by-hand repro (workers/gloo_race.py)
+_GLOO_INIT: Any = None
+
+
+def one_worker_gloo() -> None:
+    """Give every gloo process group made from now on one worker thread instead of torch's two.
+
+    Why: torch runs each gloo group's collectives on two threads. After each collective a thread
+    stores the op's name in the group's status (``pgStatus_->lastCompletedWorkName``) before it
+    takes the group's lock back. When both threads finish at once, both replace that string. A name
+    longer than 15 characters lives on the heap: ``ALLGATHER_COALESCED`` is one, and every
+    functional all-gather runs it (DTensor, tensor parallelism). Both threads then free the same
+    buffer. The rank dies later with SIGABRT
+    (``malloc(): unaligned tcache chunk detected``, ``free(): invalid pointer``) or SIGSEGV, or a
+    collective hangs. torch 2.9 and 2.13 both do it. With one thread nothing runs beside it.
+
+    torch has no setting for it: ``new_group`` ignores gloo options, and DeviceMesh makes its groups
+    with ``new_group``. So the constructor that takes a timeout asks for one thread. The devices
+    are what torch would pick (``GLOO_SOCKET_IFNAME``, else the host's address). A group built
+    from explicit ``ProcessGroupGloo._Options`` keeps what they say. Collectives of one group then
+    run in the order they were issued, as NCCL runs them on one stream."""
+    global _GLOO_INIT
+    if _GLOO_INIT is not None or not dist.is_available() or not dist.is_gloo_available():
+        return
+    from torch.distributed import ProcessGroupGloo
+
+    torch_init = ProcessGroupGloo.__init__
+    default_timeout = datetime.timedelta(minutes=30)
+
+    def __init__(self, store, rank, size, timeout=default_timeout, options=None):  # noqa: ANN001
+        if options is None and isinstance(timeout, ProcessGroupGloo._Options):
+            options = timeout
+        if options is None:
+            options = ProcessGroupGloo._Options()
+            names = os.environ.get("GLOO_SOCKET_IFNAME", "")
+            if len(names) > 1:  # torch's own test: one character is no interface name
+                options._devices = [ProcessGroupGloo.create_device(interface=n) for n in names.split(",")]
+            else:
+                options._devices = [ProcessGroupGloo.create_default_device()]
+            options._timeout = timeout
+            options._threads = 1
+        torch_init(self, store, rank, size, options)
+
+    __init__.__doc__ = torch_init.__doc__
+    ProcessGroupGloo.__init__ = __init__
+    _GLOO_INIT = torch_init
+
+
+def gloo_threads(group: Any) -> int | None:
+    """How many worker threads ``group``'s gloo backend runs; None without one."""
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except RuntimeError:  # no backend for CPU tensors
+        return None
+    options = getattr(backend, "options", None)
+    return getattr(options, "_threads", None)
+
+
+def _check_gloo_threads(group: Any) -> None:
+    threads = gloo_threads(group)
+    if threads is not None and threads > 1:
+        log.warning(
+            "shardcore: the default process group's gloo backend runs %d worker threads: it was made "
+            "before shardcore was imported, or from explicit options. torch's gloo workers race when "
+            "two collectives finish together, and corrupt the heap now and then (a rank dies later "
+            "by SIGABRT or SIGSEGV; docs/training.md, 'Gloo's worker threads'). Import shardcore "
+            "before init_process_group to get one thread per group.",
+            threads,
+        )
 
 
 # ---------------------------------------------------------------- lost peers

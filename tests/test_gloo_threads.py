@@ -65,8 +65,8 @@ def test_torch_would_give_two_threads_and_a_group_with_two_is_warned_about(caplo
 @pytest.mark.multiprocess
 def test_functional_all_gathers_in_flight_together_give_the_right_values_and_keep_the_heap_whole():
     """4 ranks, 8 functional all-gathers in flight at a time on one group, 200 steps of each mesh
-    dimension. With torch's two threads (``torch-default``) a rank died in 2 of 6 runs of 300 steps
-    here (SIGABRT, heap corruption; SIGSEGV)."""
+    dimension. With torch's two threads (``torch-default``), 5 of 12 runs of 300 steps broke here:
+    2 SIGABRT (heap corruption), 2 SIGSEGV, 1 hang (docs/measurements.md)."""
     p = harness.ranks(4, harness.worker("gloo_race"), "200", timeout=240)
     assert p.returncode == 0, harness.tail(p.stdout)
     assert p.stdout.count("gloo worker threads per group [1, 1, 1]") == 4
